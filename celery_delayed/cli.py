@@ -1,0 +1,65 @@
+"""``celery -A proj delayed ...``: the poller and operator commands.
+
+Registered through Celery's ``celery.commands`` entry point, like Flower.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+
+import click
+from celery.bin.base import CeleryCommand, handle_preload_options
+from rich.console import Console
+from rich.table import Table
+
+from . import store_of
+from .poller import Poller
+
+console = Console()
+
+
+@click.group(name="delayed")
+@click.pass_context
+@handle_preload_options
+def delayed(ctx: click.Context) -> None:
+    """celery-delayed: scheduled tasks in Redis, dispatched through Kafka."""
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("-l", "--loglevel", default="INFO", show_default=True, help="Logging level.")
+@click.pass_context
+def poller(ctx: click.Context, loglevel: str) -> None:
+    """Run a poller: lead partitions through etcd, move due tasks to Kafka."""
+    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
+    app = ctx.obj.app
+    the_poller = Poller(app.amqp.delayed_settings, store=store_of(app))
+
+    def on_signal(signum: int, frame: object) -> None:
+        logging.getLogger(__name__).info("signal %d: finishing the batch in hand, resigning", signum)
+        the_poller.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    the_poller.run()
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Per-partition counts of scheduled and in-flight tasks, and the next due time."""
+    counts = store_of(ctx.obj.app).counts()
+    if as_json:
+        click.echo(json.dumps(counts))
+        return
+    table = Table("partition", "scheduled", "inflight", "next due")
+    now = time.time() * 1000
+    for row in counts:
+        due = row["next_due_ms"]
+        table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]),
+                      "-" if due is None else f"{(due - now) / 1000:+.1f} s")
+    table.add_row("all", str(sum(r["scheduled"] for r in counts)), str(sum(r["inflight"] for r in counts)), "",
+                  style="bold")
+    console.print(table)

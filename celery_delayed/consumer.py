@@ -1,0 +1,226 @@
+"""Worker side: a consumer bootstep that feeds Kafka records to stock Celery.
+
+A background thread reads the ready topics of the worker's queues and hands
+records to the worker's event loop (``hub.call_soon``), where each becomes a
+kombu message given to Celery's own task strategy: events, time limits,
+``acks_late``, revoke and results behave as for broker messages.  A record's
+offset is settled when Celery acks or rejects the request, and only the
+contiguous settled prefix of each partition is committed (see :mod:`.offsets`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+from celery import bootsteps
+from celery.app.amqp import AMQP
+from confluent_kafka import Consumer, TopicPartition
+from kombu.message import Message
+from kombu.serialization import prepare_accept_content
+
+from .dlq import DeadLetter, DeadLetters
+from .envelope import Envelope
+from .kafka import ensure_topics
+from .offsets import OffsetTracker, PartitionOffsets
+from .settings import Settings
+from .store import DelayedStore
+
+logger = logging.getLogger(__name__)
+
+#: Unsettled records a worker holds when Celery's prefetch limit is unlimited.
+DEFAULT_MAX_UNSETTLED = 1000
+COMMIT_INTERVAL = 0.5
+#: Longest the consumer goes without polling Kafka while the worker is full (s);
+#: well under librdkafka's max.poll.interval.ms (300 s).
+MAX_POLL_GAP = 60.0
+
+
+class KafkaConsumerStep(bootsteps.StartStopStep):
+    """Consume the worker's queues from Kafka (started after Celery's task strategies exist)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    label = "Kafka"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.feed: KafkaFeed | None = None
+
+    def start(self, c: Any) -> None:
+        self.feed = KafkaFeed(c)
+        self.feed.start()
+
+    def stop(self, c: Any) -> None:
+        if self.feed is not None:
+            self.feed.stop()
+            self.feed = None
+
+    shutdown = stop
+
+
+class KafkaFeed:
+    """The Kafka consumer thread of one worker consumer, and its hand-off to the loop."""
+
+    def __init__(self, c: Any) -> None:
+        amqp: AMQP = c.app.amqp
+        self.c = c
+        self.settings: Settings = getattr(amqp, "delayed_settings", None) or Settings.from_app(c.app)
+        self.store = DelayedStore(self.settings)
+        self.dead_letters = DeadLetters(self.store)
+        self.queues = sorted(amqp.queues.consume_from)
+        self.accept = prepare_accept_content(c.app.conf.accept_content)
+        self.offsets = OffsetTracker()
+        self._ready: deque = deque()
+        self._ready_lock = threading.Lock()
+        self._scheduled = False
+        self._running = threading.Event()
+        self._room = threading.Event()  # set when a settle frees a prefetch slot
+        self._thread: threading.Thread | None = None
+        self._consumer: Consumer | None = None
+
+    # -- consumer thread -------------------------------------------------------
+    def start(self) -> None:
+        if self.c.hub is None:
+            raise RuntimeError("celery-delayed needs a worker with an event loop (a Redis or AMQP broker)")
+        ensure_topics(self.settings, self.queues)
+        self._consumer = Consumer(self.settings.kafka(**{
+            "group.id": self.settings.consumer_group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            "queued.max.messages.kbytes": 16384,  # bound what librdkafka prefetches
+        }))
+        self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
+                                 on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
+        self._thread.start()
+        logger.info("consuming Kafka topics %s", [self.settings.topic(q) for q in self.queues])
+
+    def stop(self) -> None:
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self) -> None:
+        consumer = self._consumer
+        last_commit = time.monotonic()
+        full_since: float | None = None
+        try:
+            while self._running.is_set():
+                room = self._max_unsettled() - self.offsets.outstanding()
+                if room <= 0:
+                    # Hold off reading while the worker holds its prefetch limit.  Pausing
+                    # the partitions would cost ~1 s of fetch latency on resume, so only
+                    # pause when full for long, to keep group membership alive meanwhile.
+                    full_since = full_since or time.monotonic()
+                    if time.monotonic() - full_since > MAX_POLL_GAP:
+                        consumer.pause(consumer.assignment())
+                        consumer.consume(num_messages=1, timeout=0)
+                        consumer.resume(consumer.assignment())
+                        full_since = time.monotonic()
+                    self._room.wait(0.05)
+                    self._room.clear()
+                else:
+                    full_since = None
+                    self._read(consumer, room)
+                if time.monotonic() - last_commit >= COMMIT_INTERVAL:
+                    self._commit(self.offsets.committable())
+                    last_commit = time.monotonic()
+        except Exception:
+            logger.exception("Kafka consumer thread failed")
+        finally:
+            self._commit(self.offsets.committable())
+            consumer.close()
+
+    def _read(self, consumer: Consumer, room: int) -> None:
+        accepted = []
+        for record in consumer.consume(num_messages=min(room, 500), timeout=0.1):
+            if record.error():
+                logger.warning("Kafka consumer error: %s", record.error())
+                continue
+            accepted.append((record, self.offsets.add((record.topic(), record.partition()), record.offset())))
+        if accepted:
+            self._hand_over(accepted)
+
+    def _max_unsettled(self) -> int:
+        qos = getattr(self.c, "qos", None)
+        return (qos.value if qos is not None and qos.value else 0) or DEFAULT_MAX_UNSETTLED
+
+    def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                  asynchronous=False)
+        except Exception as exc:  # e.g. during a rebalance: the next commit covers it
+            logger.debug("offset commit failed: %s", exc)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.offsets.assign([(tp.topic, tp.partition) for tp in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._commit(self.offsets.revoke([(tp.topic, tp.partition) for tp in partitions]))
+
+    # -- event loop ------------------------------------------------------------
+    def _hand_over(self, accepted: list) -> None:
+        with self._ready_lock:
+            self._ready.extend(accepted)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.c.hub.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """On the loop thread: give every waiting record to Celery, in order."""
+        while True:
+            with self._ready_lock:
+                if not self._ready:
+                    self._scheduled = False
+                    return
+                record, partition = self._ready.popleft()
+            try:
+                self._dispatch(record, partition)
+            except Exception as exc:  # never let one message break the loop
+                self._dead_letter(record, partition, f"dispatch failed: {exc!r}", traceback.format_exc())
+
+    def _dispatch(self, record: Any, partition: PartitionOffsets) -> None:
+        offset = record.offset()
+        envelope = Envelope.decode(record.value())
+        headers = dict(envelope.headers)
+        headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
+        message = Message(body=envelope.body, content_type=envelope.content_type,
+                          content_encoding=envelope.content_encoding, headers=headers,
+                          properties=envelope.properties, accept=self.accept, channel=None,
+                          delivery_info={"exchange": envelope.exchange,
+                                         "routing_key": envelope.routing_key or envelope.queue})
+        try:
+            strategy = self.c.strategies[headers["task"]]
+        except KeyError:
+            self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
+            return
+
+        def on_ack(log: Any = None, errors: Any = None) -> None:
+            self._settle(partition, offset)
+
+        def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
+            if requeue:  # back through the store, due now, so the requeue survives any crash
+                self.store.schedule_many([(envelope.task_id, int(time.time() * 1000), record.value())])
+            self._settle(partition, offset)
+
+        strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+
+    def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
+        task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"
+        logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
+        self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
+                                         message=record.value() or b""))
+        self._settle(partition, record.offset())
+
+    def _settle(self, partition: PartitionOffsets, offset: int) -> None:
+        self.offsets.settle(partition, offset)
+        self._room.set()

@@ -1,0 +1,84 @@
+"""Which Kafka offsets may be committed when tasks finish out of order.
+
+A partition's committable offset is one past the last offset below which every
+message has been settled (acked, rejected or dead-lettered).  Committing any
+further could skip a task still running if the worker died now.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class PartitionOffsets:
+    """Outstanding offsets of one assigned partition, in the order they were read."""
+
+    def __init__(self) -> None:
+        self._outstanding: deque[int] = deque()
+        self._settled: set[int] = set()
+        self._next: int | None = None  # offset to commit: first one not yet settled
+
+    def add(self, offset: int) -> None:
+        if self._outstanding and offset <= self._outstanding[-1]:
+            raise ValueError(f"offset {offset} read after {self._outstanding[-1]}")
+        if not self._outstanding and self._next is None:
+            self._next = offset
+        self._outstanding.append(offset)
+
+    def settle(self, offset: int) -> None:
+        self._settled.add(offset)
+        while self._outstanding and self._outstanding[0] in self._settled:
+            done = self._outstanding.popleft()
+            self._settled.discard(done)
+            self._next = done + 1
+
+    @property
+    def committable(self) -> int | None:
+        """Offset to commit (Kafka's convention: the next one to read), or None if nothing read."""
+        if self._outstanding:
+            return self._outstanding[0]
+        return self._next
+
+    def __len__(self) -> int:
+        return len(self._outstanding)
+
+
+class OffsetTracker:
+    """Thread-safe offsets of every assigned partition, keyed by ``(topic, partition)``.
+
+    Each assignment gets fresh :class:`PartitionOffsets`; a settle that arrives
+    for an assignment since revoked is ignored (that message is redelivered).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._partitions: dict[tuple[str, int], PartitionOffsets] = {}
+
+    def assign(self, keys: list[tuple[str, int]]) -> None:
+        with self._lock:
+            for key in keys:
+                self._partitions[key] = PartitionOffsets()
+
+    def revoke(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Forget partitions; returns their committable offsets."""
+        with self._lock:
+            gone = {key: self._partitions.pop(key) for key in keys if key in self._partitions}
+        return {key: p.committable for key, p in gone.items() if p.committable is not None}
+
+    def add(self, key: tuple[str, int], offset: int) -> PartitionOffsets:
+        with self._lock:
+            partition = self._partitions.setdefault(key, PartitionOffsets())
+            partition.add(offset)
+            return partition
+
+    def settle(self, partition: PartitionOffsets, offset: int) -> None:
+        with self._lock:
+            partition.settle(offset)
+
+    def committable(self) -> dict[tuple[str, int], int]:
+        with self._lock:
+            return {key: p.committable for key, p in self._partitions.items() if p.committable is not None}
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return sum(len(p) for p in self._partitions.values())

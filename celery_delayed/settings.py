@@ -1,0 +1,184 @@
+"""All celery-delayed settings, read once from the Celery app's configuration.
+
+Every setting is a lowercase ``delayed_*`` key of ``app.conf`` (so it can live in
+a ``celeryconfig`` module, ``app.conf.update(...)`` or the environment through
+``config_from_envvar``).  :func:`Settings.from_app` validates them all at start
+and names the offending key in its error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+PREFIX = "delayed_"
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]*$")
+
+
+class ConfigurationError(ValueError):
+    """A ``delayed_*`` setting has a value celery-delayed cannot use."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated celery-delayed configuration; defaults match a local install."""
+
+    #: Redis holding the delayed store. ``rediss://`` and passwords pass through.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Kafka bootstrap servers, ``host:port[,host:port...]``.
+    kafka_servers: str = "127.0.0.1:9092"
+    #: Extra confluent-kafka settings for producer, consumer and admin (SASL/SSL...).
+    kafka_config: Mapping[str, Any] = field(default_factory=dict)
+    #: etcd endpoints, ``http(s)://host:port[,...]``.
+    etcd_endpoints: str = "http://127.0.0.1:2379"
+    etcd_user: str | None = None
+    etcd_password: str | None = None
+    #: CA certificate file for an etcd behind TLS.
+    etcd_ca_cert: str | None = None
+    #: Number of store partitions (each a leader-elected unit of dispatch).
+    partitions: int = 16
+    #: Prefix of every Redis key and etcd key written by celery-delayed.
+    key_prefix: str = "cd"
+    #: Kafka topic of queue ``q`` is ``topic_prefix + q``.
+    topic_prefix: str = "celery-delayed."
+    #: Partitions of each ready topic when celery-delayed creates it.
+    topic_partitions: int = 4
+    #: Replication factor of topics celery-delayed creates.
+    topic_replication: int = 1
+    #: Tasks due sooner than this many seconds take Celery's normal path.
+    min_delay: float = 1.0
+    #: Largest stored message, in bytes; larger ones are refused at apply time.
+    max_message_bytes: int = 1_048_576
+    #: Poller's etcd lease TTL in seconds (etcd grants at least 2).
+    lease_ttl: int = 5
+    #: Seconds a claimed task may stay unacknowledged before it returns to due.
+    visibility_timeout: float = 30.0
+    #: Most tasks claimed per Lua call (keeps each script's Redis stall short).
+    claim_batch: int = 500
+    #: Longest the poller sleeps without looking at the store, in seconds.
+    max_sleep: float = 1.0
+    #: Kafka consumer group of the workers.
+    consumer_group: str = "celery-delayed"
+
+    @classmethod
+    def from_app(cls, app: Any) -> "Settings":
+        """Read and validate ``delayed_*`` settings from ``app.conf``."""
+        conf = app.conf
+        values = {}
+        for f in dataclasses.fields(cls):
+            key = PREFIX + f.name
+            value = conf.get(key)
+            if value is not None:
+                values[f.name] = value
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Settings":
+        """Build settings from unprefixed names, coercing and validating each."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigurationError(f"unknown setting {PREFIX}{name}")
+            kwargs[name] = _coerce(name, known[name], value)
+        settings = cls(**kwargs)
+        settings._validate()
+        return settings
+
+    def _validate(self) -> None:
+        _require(self.partitions >= 1, "partitions", "must be >= 1")
+        _require(self.partitions <= 16384, "partitions", "must be <= 16384")
+        _require(self.topic_partitions >= 1, "topic_partitions", "must be >= 1")
+        _require(self.topic_replication >= 1, "topic_replication", "must be >= 1")
+        _require(self.min_delay >= 0, "min_delay", "must be >= 0")
+        _require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
+        _require(self.lease_ttl >= 2, "lease_ttl", "must be >= 2 (etcd's smallest lease)")
+        _require(self.visibility_timeout >= 1, "visibility_timeout", "must be >= 1 second")
+        _require(1 <= self.claim_batch <= 5000, "claim_batch", "must be between 1 and 5000")
+        _require(self.max_sleep > 0, "max_sleep", "must be > 0")
+        _require(bool(self.key_prefix) and ":" not in self.key_prefix and "{" not in self.key_prefix,
+                 "key_prefix", "must be non-empty, without ':' or '{'")
+        _require(bool(_TOPIC_CHARS.match(self.topic_prefix)), "topic_prefix",
+                 "may hold only letters, digits, '.', '_' and '-'")
+        _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
+        scheme = urlsplit(self.redis_url).scheme
+        _require(scheme in ("redis", "rediss", "unix"), "redis_url",
+                 f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")
+        _require(all(_HOST_PORT.match(s) for s in self.kafka_servers.split(",")), "kafka_servers",
+                 f"must be host:port[,host:port...], got {self.kafka_servers!r}")
+        for url in self.etcd_urls:
+            parts = urlsplit(url)
+            _require(parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None,
+                     "etcd_endpoints", f"must be http(s)://host:port[,...], got {redact_url(url)!r}")
+        _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
+                 "must not set bootstrap.servers (use delayed_kafka_servers)")
+
+    @property
+    def etcd_urls(self) -> list[str]:
+        return [u.strip() for u in self.etcd_endpoints.split(",") if u.strip()]
+
+    def topic(self, queue: str) -> str:
+        """The Kafka topic that carries due tasks of a Celery queue."""
+        return self.topic_prefix + queue
+
+    def kafka(self, **extra: Any) -> dict[str, Any]:
+        """confluent-kafka configuration: servers, user config, then ``extra``."""
+        return {"bootstrap.servers": self.kafka_servers, **self.kafka_config, **extra}
+
+    def __repr__(self) -> str:  # never print secrets
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["redis_url"] = redact_url(self.redis_url)
+        shown["etcd_password"] = "***" if self.etcd_password else None
+        shown["kafka_config"] = {k: ("***" if _SECRET.search(k) else v) for k, v in self.kafka_config.items()}
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+_HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
+_SECRET = re.compile(r"password|secret|key|token", re.I)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, safe to log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigurationError(f"{PREFIX}{name} {message}")
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+    """Coerce a raw setting (often a string from the environment) to the field's type."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if kind.startswith("Mapping"):
+            if not isinstance(value, Mapping):
+                raise ValueError(value)
+            return dict(value)
+        if kind == "str | None":
+            return None if value in (None, "") else str(value)
+        if name == "etcd_endpoints" and isinstance(value, (list, tuple)):
+            return ",".join(value)
+        if name == "kafka_servers" and isinstance(value, (list, tuple)):
+            return ",".join(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except (TypeError, ValueError):
+        shown = "***" if name == "etcd_password" else repr(value)
+        raise ConfigurationError(f"{PREFIX}{name} must be {kind}, got {shown}") from None

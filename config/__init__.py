@@ -1,0 +1,1 @@
+"""Configuration of the demo project (Celery settings, service configs)."""

@@ -1,0 +1,29 @@
+"""Celery settings of the demo project, defaults for the local services.
+
+Any setting can be overridden from the environment: ``DELAYED_FOO=bar`` sets
+``delayed_foo`` and ``CELERY_FOO=bar`` sets ``foo`` (e.g. ``CELERY_BROKER_URL``),
+which is how docker/ and the tests configure the same project.
+"""
+import os
+
+broker_url = "redis://127.0.0.1:6379/1"
+result_backend = "redis://127.0.0.1:6379/2"
+result_extended = True          # results record the worker that ran them
+task_acks_late = True           # a task's Kafka offset settles when it ends...
+task_reject_on_worker_lost = True  # ...and a killed pool child's task runs again
+worker_prefetch_multiplier = 4
+worker_send_task_events = True  # Flower
+task_send_sent_event = True
+broker_connection_retry_on_startup = True
+
+# celery-delayed (see celery_delayed.settings for every setting and its default)
+delayed_redis_url = "redis://127.0.0.1:6379/0"
+delayed_kafka_servers = "127.0.0.1:9092"
+delayed_etcd_endpoints = "http://127.0.0.1:2379"
+delayed_partitions = 8
+
+for _name, _value in os.environ.items():
+    if _name.startswith("DELAYED_"):
+        globals()[_name.lower()] = _value
+    elif _name.startswith("CELERY_") and _name not in ("CELERY_CONFIG_MODULE",):
+        globals()[_name[len("CELERY_"):].lower()] = _value

@@ -1,0 +1,5 @@
+"""A small demo Celery project that uses celery-delayed (``celery -A tasks ...``)."""
+from . import demo  # noqa: F401  (registers the shared tasks on every app)
+from .celery import app, create_app
+
+__all__ = ["app", "create_app", "demo"]

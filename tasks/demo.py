@@ -1,0 +1,32 @@
+"""Demo tasks: arithmetic, and a task that records when it ran for the demo's report."""
+from __future__ import annotations
+
+import time
+
+import redis
+from celery import current_app, shared_task
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def _redis() -> redis.Redis:
+    url = current_app.conf.delayed_redis_url
+    if url not in _clients:
+        _clients[url] = redis.Redis.from_url(url)
+    return _clients[url]
+
+
+@shared_task(name="tasks.demo.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@shared_task(name="tasks.demo.fire", bind=True)
+def fire(self, run: str, due_ms: int) -> int:
+    """Record one execution of this task id and its lag behind the due time (ms)."""
+    lag_ms = int(time.time() * 1000) - due_ms
+    pipe = _redis().pipeline(transaction=False)
+    pipe.hincrby(f"demo:{run}:runs", self.request.id, 1)
+    pipe.rpush(f"demo:{run}:lag", lag_ms)
+    pipe.execute()
+    return lag_ms

@@ -1,0 +1,37 @@
+"""docker/ cannot run here (no Docker engine): check what can be checked without it."""
+from pathlib import Path
+
+import yaml
+
+from celery_delayed.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compose():
+    return yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+
+
+def test_app_services_use_known_settings_and_the_real_commands():
+    services = compose()["services"]
+    settings = {f"DELAYED_{name.upper()}" for name in Settings.__dataclass_fields__}
+    for name in ("poller", "worker", "flower"):
+        env = services[name]["environment"]
+        assert {k for k in env if k.startswith("DELAYED_")} <= settings, name
+        Settings.from_mapping({k[len("DELAYED_"):].lower(): v for k, v in env.items() if k.startswith("DELAYED_")})
+        assert services[name]["command"][:3] == ["celery", "-A", "tasks"]
+    assert services["poller"]["command"][3:5] == ["delayed", "poller"]
+
+
+def test_servers_listen_on_the_same_ports_as_scripts_services():
+    services = compose()["services"]
+    defaults = Settings()
+    assert services["redis"]["ports"] == ["6379:6379"] and ":6379/" in defaults.redis_url
+    assert services["etcd"]["ports"] == ["2379:2379"] and defaults.etcd_endpoints.endswith(":2379")
+    assert services["kafka"]["ports"] == ["9092:9092"] and defaults.kafka_servers.endswith(":9092")
+
+
+def test_dockerfile_copies_what_the_app_imports():
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    for folder in ("celery_delayed", "tasks", "config"):
+        assert f"COPY {folder}" in text

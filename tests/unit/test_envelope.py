@@ -1,0 +1,54 @@
+import pickle
+
+import pytest
+
+from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta
+from celery_delayed.store import partition_of
+
+
+def make(body=b'[[2, 2], {}, {}]', **kw):
+    headers = {"task": "t.add", "id": "abc", "eta": "2030-01-01T00:00:00+00:00", "shadow": None,
+               "group": None, "retries": 0, "argsrepr": "(2, 2)"}
+    return Envelope(task_id="abc", queue="celery", headers=headers, body=body,
+                    content_type="application/json", content_encoding="utf-8", **kw)
+
+
+def test_round_trip_keeps_body_bytes_and_meaningful_headers():
+    env = make(properties={"correlation_id": "abc"}, exchange="ex", routing_key="rk")
+    back = Envelope.decode(env.encode())
+    assert back.body == env.body
+    assert back.headers["eta"] == env.headers["eta"]
+    assert back.headers["argsrepr"] == "(2, 2)"
+    assert "shadow" not in back.headers  # empty headers are not stored
+    assert (back.exchange, back.routing_key, back.properties) == ("ex", "rk", {"correlation_id": "abc"})
+
+
+def test_binary_bodies_with_newlines_round_trip():
+    body = pickle.dumps(((b"\n\x00", "x\ny"), {}, {}))
+    assert Envelope.decode(make(body=body).encode()).body == body
+
+
+def test_routing_key_defaults_to_queue():
+    assert Envelope.decode(make().encode()).routing_key == "celery"
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"no newline", "no meta line"),
+    (b"{not json\nbody", "not JSON"),
+    (b'{"id": "x"}\nbody', "lacks a task id or queue"),
+    ("text", "must be bytes"),
+])
+def test_bad_envelopes_are_named(data, words):
+    with pytest.raises(EnvelopeError, match=words):
+        Envelope.decode(data)
+
+
+def test_meta_only_decoding():
+    assert decode_meta(make().encode())["q"] == "celery"
+
+
+def test_partition_is_stable_and_spread():
+    assert partition_of("abc", 16) == partition_of("abc", 16)
+    assert partition_of("5f1c-uuid", 1) == 0
+    seen = {partition_of(f"id-{i}", 8) for i in range(200)}
+    assert seen == set(range(8))

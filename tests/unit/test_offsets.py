@@ -1,0 +1,52 @@
+import pytest
+
+from celery_delayed.offsets import OffsetTracker, PartitionOffsets
+
+
+def test_commit_stops_at_first_unsettled_offset():
+    p = PartitionOffsets()
+    for o in (10, 11, 12, 13):
+        p.add(o)
+    assert p.committable == 10
+    p.settle(12)
+    p.settle(13)
+    assert p.committable == 10  # 10 and 11 still running
+    p.settle(10)
+    assert p.committable == 11
+    p.settle(11)
+    assert p.committable == 14
+    assert len(p) == 0
+
+
+def test_nothing_read_means_nothing_to_commit():
+    assert PartitionOffsets().committable is None
+
+
+def test_offsets_must_grow():
+    p = PartitionOffsets()
+    p.add(5)
+    with pytest.raises(ValueError):
+        p.add(5)
+
+
+def test_settle_after_revoke_is_ignored():
+    t = OffsetTracker()
+    t.assign([("t", 0)])
+    part = t.add(("t", 0), 7)
+    assert t.revoke([("t", 0)]) == {("t", 0): 7}
+    t.settle(part, 7)
+    assert t.committable() == {}
+    t.assign([("t", 0)])
+    assert t.committable() == {}  # a fresh assignment starts from Kafka's committed offset
+
+
+def test_outstanding_counts_every_partition():
+    t = OffsetTracker()
+    a, b = t.add(("t", 0), 1), t.add(("t", 1), 1)
+    t.add(("t", 1), 2)
+    assert t.outstanding() == 3
+    t.settle(b, 1)
+    assert t.outstanding() == 2
+    assert t.committable() == {("t", 0): 1, ("t", 1): 2}
+    t.settle(a, 1)
+    assert t.committable() == {("t", 0): 2, ("t", 1): 2}

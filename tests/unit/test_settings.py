@@ -1,0 +1,71 @@
+import pytest
+from celery import Celery
+
+from celery_delayed.settings import ConfigurationError, Settings, redact_url
+
+
+def test_defaults_are_valid_and_local():
+    s = Settings.from_mapping({})
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    assert s.kafka_servers == "127.0.0.1:9092"
+    assert s.etcd_urls == ["http://127.0.0.1:2379"]
+
+
+def test_reads_prefixed_settings_from_app_and_coerces_strings():
+    app = Celery(set_as_current=False)
+    app.conf.update(delayed_partitions="32", delayed_min_delay="2.5", delayed_key_prefix="x")
+    s = Settings.from_app(app)
+    assert (s.partitions, s.min_delay, s.key_prefix) == (32, 2.5, "x")
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("partitions", 0, "delayed_partitions must be >= 1"),
+    ("partitions", "many", "delayed_partitions must be int"),
+    ("partitions", 1.5, "delayed_partitions must be int"),
+    ("lease_ttl", 1, "delayed_lease_ttl must be >= 2"),
+    ("redis_url", "http://x", "delayed_redis_url must be a redis://"),
+    ("kafka_servers", "nohostport", "delayed_kafka_servers must be host:port"),
+    ("etcd_endpoints", "127.0.0.1:2379", "delayed_etcd_endpoints must be http(s)://"),
+    ("key_prefix", "a:b", "delayed_key_prefix must be non-empty"),
+    ("topic_prefix", "bad topic", "delayed_topic_prefix may hold only"),
+    ("kafka_config", "sasl", "delayed_kafka_config must be Mapping"),
+    ("kafka_config", {"bootstrap.servers": "x:1"}, "delayed_kafka_config must not set bootstrap.servers"),
+    ("claim_batch", 100000, "delayed_claim_batch must be between"),
+])
+def test_bad_values_name_the_setting(name, value, words):
+    with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Settings.from_mapping({name: value})
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(ConfigurationError, match="unknown setting delayed_partitons"):
+        Settings.from_mapping({"partitons": 3})
+
+
+def test_lists_of_endpoints_are_accepted():
+    s = Settings.from_mapping({"etcd_endpoints": ["http://a:1", "http://b:2"], "kafka_servers": ["a:1", "b:2"]})
+    assert s.etcd_urls == ["http://a:1", "http://b:2"]
+    assert s.kafka()["bootstrap.servers"] == "a:1,b:2"
+
+
+def test_secrets_never_show_in_repr_or_errors():
+    s = Settings.from_mapping({"redis_url": "rediss://user:hunter2@host:6380/0", "etcd_password": "hunter3",
+                               "kafka_config": {"sasl.password": "hunter4", "security.protocol": "SASL_SSL"}})
+    text = repr(s)
+    assert "hunter" not in text
+    assert "SASL_SSL" in text and "user:***@host:6380" in text
+    with pytest.raises(ConfigurationError) as err:
+        Settings.from_mapping({"redis_url": "http://u:hunter5@h/0"})
+    assert "hunter5" not in str(err.value)
+
+
+def test_redact_url_keeps_urls_without_password():
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+
+
+def test_kafka_config_passes_through_and_topic_names():
+    s = Settings.from_mapping({"kafka_config": {"security.protocol": "SSL"}, "topic_prefix": "p."})
+    assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "SSL",
+                                           "group.id": "g"}
+    assert s.topic("emails") == "p.emails"

@@ -70,6 +70,7 @@ def main() -> int:
         console.print(f"[bold]run {run}[/]: poller, worker and Flower (http://127.0.0.1:{opts.flower_port}) "
                       f"started; logs in {logdir}")
         store = app.amqp.delayed_store
+        _wait_for_worker(app.amqp.delayed_settings)
         due: dict[str, int] = {}
         t0 = time.time()
         for _ in range(opts.tasks):
@@ -110,6 +111,22 @@ def main() -> int:
         return 1 if lost else 0
     finally:
         stop(procs)
+
+
+def _wait_for_worker(settings, timeout: float = 60.0) -> None:
+    """Wait until the worker has joined its Kafka consumer group (so the first tasks are not late)."""
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(settings.kafka())
+    deadline = time.time() + timeout
+    with console.status("waiting for the worker to join its Kafka consumer group"):
+        while time.time() < deadline:
+            group = admin.describe_consumer_groups([settings.consumer_group])[settings.consumer_group].result()
+            if group.state == ConsumerGroupState.STABLE and group.members:
+                return
+            time.sleep(0.5)
+    raise SystemExit(f"the worker did not join Kafka group {settings.consumer_group} in {timeout:.0f} s")
 
 
 def _plot(lags: list[int], path: Path) -> bool:

@@ -10,11 +10,12 @@ import signal
 import time
 
 import click
+import prometheus_client
 from celery.bin.base import CeleryCommand, handle_preload_options
 from rich.console import Console
 from rich.table import Table
 
-from . import store_of
+from . import metrics, store_of
 from .poller import Poller
 
 console = Console()
@@ -29,12 +30,20 @@ def delayed(ctx: click.Context) -> None:
 
 @delayed.command(cls=CeleryCommand)
 @click.option("-l", "--loglevel", default="INFO", show_default=True, help="Logging level.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port (default: delayed_metrics_port; 0 = off).")
 @click.pass_context
-def poller(ctx: click.Context, loglevel: str) -> None:
+def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     """Run a poller: lead partitions through etcd, move due tasks to Kafka."""
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
     app = ctx.obj.app
-    the_poller = Poller(app.amqp.delayed_settings, store=store_of(app))
+    settings = app.amqp.delayed_settings
+    store = store_of(app)
+    port = settings.metrics_port if metrics_port is None else metrics_port
+    if port:
+        metrics.register_store(store)
+        prometheus_client.start_http_server(port, addr="127.0.0.1")
+    the_poller = Poller(settings, store=store)
 
     def on_signal(signum: int, frame: object) -> None:
         logging.getLogger(__name__).info("signal %d: finishing the batch in hand, resigning", signum)

@@ -17,6 +17,7 @@ from typing import Callable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import EnvelopeError, decode_meta
 from .kafka import ensure_topics, make_producer
@@ -25,6 +26,36 @@ from .settings import Settings
 from .store import DelayedStore, Fenced, StoreUnavailable
 
 logger = logging.getLogger(__name__)
+
+#: How often leadership is refreshed and rebalanced (s), at most; a standby
+#: notices a resigned leader's partitions within this.
+LEADERSHIP_INTERVAL = 0.5
+
+
+class RateLimit:
+    """Token bucket: at most ``rate`` tasks per second, bursts up to one second's worth."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._tokens = rate
+        self._at = time.monotonic()
+
+    def available(self) -> float:
+        """Tasks that may go now (infinite without a limit)."""
+        if not self.rate:
+            return float("inf")
+        now = time.monotonic()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        return self._tokens
+
+    def take(self, n: int) -> None:
+        if self.rate:
+            self._tokens -= n
+
+    def wait_time(self) -> float:
+        """Seconds until one more task may go."""
+        return 0.0 if not self.rate or self._tokens >= 1 else (1 - self._tokens) / self.rate
 
 
 class Poller:
@@ -38,10 +69,11 @@ class Poller:
         self.producer = producer or make_producer(settings)
         self.dead_letters = DeadLetters(self.store)
         self.stats: dict[str, int] = defaultdict(int)
+        self._limit = RateLimit(settings.max_dispatch_rate)
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._topics: set[str] = set()
-        self._reports: list[tuple[int, str, KafkaError | None]] = []
+        self._reports: list[tuple[int, str, int, KafkaError | None]] = []
         self._pending = 0
         self._next_due_ms: int | None = None  # Redis clock
         self._clock_offset_ms = 0  # Redis clock minus local clock
@@ -60,13 +92,14 @@ class Poller:
                 dispatched = self.tick()
                 if on_dispatch and dispatched:
                     on_dispatch(dispatched)
-                if not dispatched:
+                if not dispatched or self._limit.wait_time():
                     self._sleep()
         finally:
             waker.stop()
             self._drain_reports(timeout=10.0)
             leader.join(timeout=self.settings.lease_ttl)
             self.leadership.release()
+            metrics.LEADING.clear()
             logger.info("poller %s stopped: %s", self.leadership.id, dict(self.stats))
 
     def stop(self) -> None:
@@ -79,10 +112,14 @@ class Poller:
         produced = 0
         next_due = None
         for partition, token in self.leadership.owned().items():
+            budget = min(self.settings.claim_batch, self._limit.available())
+            if budget < 1:
+                break
             try:
-                claim = self.store.claim(partition, token, self.settings.claim_batch)
+                claim = self.store.claim(partition, token, int(budget))
             except Fenced as exc:
                 self.stats["fenced"] += 1
+                metrics.FENCE_REJECTIONS.inc()
                 logger.warning("%s: stop dispatching it", exc)
                 self.leadership.lose(partition)
                 continue
@@ -90,28 +127,34 @@ class Poller:
                 logger.warning("%s", exc)
                 break
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
-            for task_id, data in claim.items:
-                produced += self._produce(partition, task_id, data)
-            if len(claim.items) >= self.settings.claim_batch:
-                next_due = claim.now_ms  # more is due right now
+            self._limit.take(len(claim.items))
+            for task_id, due_ms, data in claim.items:
+                produced += self._produce(partition, task_id, due_ms, data)
+            if len(claim.items) >= budget:
+                next_due = claim.now_ms  # more may be due right now
             elif claim.next_due_ms is not None:
                 next_due = claim.next_due_ms if next_due is None else min(next_due, claim.next_due_ms)
         self._next_due_ms = next_due
         self._drain_reports(timeout=0)
         return produced
 
-    def _produce(self, partition: int, task_id: str, data: bytes) -> int:
+    def _produce(self, partition: int, task_id: str, due_ms: int, data: bytes) -> int:
         try:
             topic = self.settings.topic(decode_meta(data)["q"])
         except EnvelopeError as exc:
             self._dead_letter(partition, task_id, data, f"undecodable stored message: {exc}")
             return 0
         if topic not in self._topics:
-            ensure_topics(self.settings, [topic[len(self.settings.topic_prefix):]])
+            try:
+                ensure_topics(self.settings, [topic[len(self.settings.topic_prefix):]], timeout=5.0)
+            except KafkaException as exc:  # Kafka unreachable: due again shortly, nothing lost
+                logger.warning("cannot create topic %s (%s); task %s due again shortly", topic, exc, task_id)
+                self.store.nack(partition, [task_id])
+                return 0
             self._topics.add(topic)
 
         def report(err: KafkaError | None, msg: Message) -> None:
-            self._reports.append((partition, task_id, err))
+            self._reports.append((partition, task_id, due_ms, err))
 
         while True:
             try:
@@ -119,6 +162,9 @@ class Poller:
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)
+            except KafkaException as exc:  # this message can never be produced (e.g. too large)
+                self._dead_letter(partition, task_id, data, f"Kafka refused the message: {exc}")
+                return 0
         self._pending += 1
         return 1
 
@@ -132,19 +178,25 @@ class Poller:
             return
         reports, self._reports = self._reports, []
         self._pending -= len(reports)
+        now_ms = time.time() * 1000 + self._clock_offset_ms
         delivered: dict[int, list[str]] = defaultdict(list)
         failed: dict[int, list[str]] = defaultdict(list)
-        for partition, task_id, err in reports:
-            (failed if err else delivered)[partition].append(task_id)
+        for partition, task_id, due_ms, err in reports:
             if err:
+                failed[partition].append(task_id)
                 logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
+            else:
+                delivered[partition].append(task_id)
+                metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
         try:
             for partition, ids in delivered.items():
                 self.store.ack(partition, ids)
                 self.stats["dispatched"] += len(ids)
+                metrics.DISPATCHED.inc(len(ids))
             for partition, ids in failed.items():
                 self.store.nack(partition, ids)
                 self.stats["delivery_failed"] += len(ids)
+                metrics.DELIVERY_FAILED.inc(len(ids))
         except StoreUnavailable as exc:  # entries stay inflight and return after the visibility timeout
             logger.warning("could not settle %d delivery reports: %s", len(reports), exc)
 
@@ -153,14 +205,15 @@ class Poller:
         self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
         self.store.ack(partition, [task_id])
         self.stats["dead_lettered"] += 1
+        metrics.DEAD_LETTERED.labels("poller").inc()
 
     # -- waiting ---------------------------------------------------------------
     def _sleep(self) -> None:
         """Sleep until the next due task, a wake-up, or ``max_sleep``; serve reports meanwhile."""
-        deadline = time.monotonic() + self.settings.max_sleep
+        deadline = time.monotonic() + max(self.settings.max_sleep, self._limit.wait_time())
         if self._next_due_ms is not None:
             local_due = (self._next_due_ms - self._clock_offset_ms) / 1000
-            deadline = min(deadline, time.monotonic() + max(0.0, local_due - time.time()))
+            deadline = min(deadline, time.monotonic() + max(self._limit.wait_time(), local_due - time.time()))
         while not self._wake.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -181,9 +234,15 @@ class Poller:
             self._wake.set()
 
     def _lead(self) -> None:
-        interval = self.settings.lease_ttl / 3
+        interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)
+        led: set[int] = set()
         while not self._stopping.is_set():
-            before = self.leadership.owned()
-            if self.leadership.step() != before:
+            owned = set(self.leadership.step())
+            if owned != led:
+                for p in led - owned:
+                    metrics.LEADING.remove(str(p))
+                for p in owned - led:
+                    metrics.LEADING.labels(str(p)).set(1)
+                led = owned
                 self._wake.set()
             self._stopping.wait(interval)

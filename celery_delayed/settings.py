@@ -59,6 +59,11 @@ class Settings:
     claim_batch: int = 500
     #: Longest the poller sleeps without looking at the store, in seconds.
     max_sleep: float = 1.0
+    #: Most tasks one poller dispatches per second (0 = no limit); bounds how fast
+    #: an overdue backlog drains after an outage, so workers are not stampeded.
+    max_dispatch_rate: float = 0.0
+    #: Port of the poller's Prometheus endpoint (0 = none).
+    metrics_port: int = 0
     #: Kafka consumer group of the workers.
     consumer_group: str = "celery-delayed"
 
@@ -98,6 +103,8 @@ class Settings:
         _require(self.visibility_timeout >= 1, "visibility_timeout", "must be >= 1 second")
         _require(1 <= self.claim_batch <= 5000, "claim_batch", "must be between 1 and 5000")
         _require(self.max_sleep > 0, "max_sleep", "must be > 0")
+        _require(self.max_dispatch_rate >= 0, "max_dispatch_rate", "must be >= 0 (0 = no limit)")
+        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a port number (0 = none)")
         _require(bool(self.key_prefix) and ":" not in self.key_prefix and "{" not in self.key_prefix,
                  "key_prefix", "must be non-empty, without ':' or '{'")
         _require(bool(_TOPIC_CHARS.match(self.topic_prefix)), "topic_prefix",

@@ -41,7 +41,7 @@ class Claim:
 
     now_ms: int
     next_due_ms: int | None
-    items: list[tuple[str, bytes]]
+    items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
 
 
 def partition_of(task_id: str, partitions: int) -> int:
@@ -131,7 +131,7 @@ class DelayedStore:
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due = int(reply[0]), int(reply[1])
-        items = [(reply[i].decode(), reply[i + 1]) for i in range(2, len(reply), 2)]
+        items = [(reply[i].decode(), int(float(reply[i + 1])), reply[i + 2]) for i in range(2, len(reply), 3)]
         return Claim(now_ms, None if next_due < 0 else next_due, items)
 
     def ack(self, partition: int, task_ids: list[str]) -> int:
@@ -154,6 +154,15 @@ class DelayedStore:
         return [{"partition": p, "scheduled": replies[3 * p], "inflight": replies[3 * p + 1],
                  "next_due_ms": int(replies[3 * p + 2][0][1]) if replies[3 * p + 2] else None}
                 for p in range(self.settings.partitions)]
+
+    def overdue_count(self) -> int:
+        """Tasks whose due time has passed (by Redis' clock) but are still waiting."""
+        seconds, micros = self.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            pipe.zcount(self.key(p, "due"), "-inf", now_ms)
+        return sum(self._execute(pipe))
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):

@@ -7,7 +7,7 @@
 -- KEYS[1] due ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] fence STRING
 -- ARGV[1] fencing token (etcd create revision of the leader key)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
--- Returns {now_ms, next_due_ms or -1, id, envelope, id, envelope, ...};
+-- Returns {now_ms, next_due_ms or -1, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 local token = tonumber(ARGV[1])
 local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
@@ -28,13 +28,15 @@ end
 
 local out = {now, -1}
 local deadline = now + tonumber(ARGV[3])
-local ids = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
-for _, id in ipairs(ids) do
+local due = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit, 'WITHSCORES')
+for i = 1, #due, 2 do
+  local id = due[i]
   redis.call('ZREM', KEYS[1], id)
   local envelope = redis.call('HGET', KEYS[2], id)
   if envelope then
     redis.call('ZADD', KEYS[3], deadline, id)
     out[#out + 1] = id
+    out[#out + 1] = due[i + 1]
     out[#out + 1] = envelope
   end
 end

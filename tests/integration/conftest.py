@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient
 from celery_delayed.leadership import make_etcd
 from celery_delayed.settings import Settings
 
-from .support import Processes
+from .support import Processes, Servers
 
 pytestmark = pytest.mark.integration
 
@@ -63,3 +63,11 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture
+def servers():
+    """Stop and restart the local servers; whatever a test stopped is started again."""
+    control = Servers()
+    yield control
+    control.restore()

@@ -1,15 +1,24 @@
 """Helpers for integration tests: real subprocesses and patient waiting."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
+from confluent_kafka import Consumer
+
+from celery_delayed.envelope import Envelope
+from celery_delayed.kafka import ensure_topics
+from celery_delayed.leadership import make_etcd
+from celery_delayed.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,3 +81,81 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def envelopes(n: int, queue: str, due_ms: int, prefix: str = "task") -> Iterator[tuple[str, int, bytes]]:
+    """``n`` stored messages of ``tasks.demo.add`` as Celery's JSON serializer builds them."""
+    for i in range(n):
+        task_id = f"{prefix}-{i}"
+        headers = {"lang": "py", "task": "tasks.demo.add", "id": task_id, "root_id": task_id, "retries": 0,
+                   "eta": "2000-01-01T00:00:00+00:00", "expires": None, "timelimit": [None, None],
+                   "argsrepr": f"({i}, {i})", "kwargsrepr": "{}", "origin": "test"}
+        body = json.dumps([[i, i], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
+        yield task_id, due_ms, Envelope(task_id=task_id, queue=queue, headers=headers, body=body.encode(),
+                                        content_type="application/json", content_encoding="utf-8",
+                                        properties={"correlation_id": task_id}).encode()
+
+
+class TopicReader:
+    """Reads a topic from its start with a private consumer group, counting records per key."""
+
+    def __init__(self, settings: Settings, topic: str) -> None:
+        ensure_topics(settings, [topic[len(settings.topic_prefix):]])
+        self.topic = topic
+        self.keys: Counter[str] = Counter()
+        self.consumer = Consumer(settings.kafka(**{"group.id": f"reader-{uuid.uuid4().hex}",
+                                                   "auto.offset.reset": "earliest",
+                                                   "enable.auto.commit": False}))
+        self.consumer.subscribe([topic])
+
+    def read(self, timeout: float = 0.5) -> int:
+        """Read what is there now; returns how many records came."""
+        records = self.consumer.consume(num_messages=10_000, timeout=timeout)
+        for record in records:
+            if not record.error():
+                self.keys[record.key().decode()] += 1
+        return len(records)
+
+    def read_until(self, unique: int, timeout: float) -> Counter:
+        """Read until ``unique`` distinct keys were seen (or ``timeout`` s passed)."""
+        deadline = time.monotonic() + timeout
+        while len(self.keys) < unique and time.monotonic() < deadline:
+            self.read()
+        return self.keys
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def leaders(settings: Settings) -> dict[int, int]:
+    """Partition -> PID of the poller leading it, read from etcd."""
+    etcd = make_etcd(settings)
+    found = {}
+    for value, meta in etcd.get_prefix(f"/{settings.key_prefix}/leader/"):
+        found[int(meta.key.decode().rsplit("/", 1)[1])] = int(value.decode().rsplit("-", 2)[1])
+    return found
+
+
+class Servers:
+    """Real outages: stops and restarts a server that scripts/services started."""
+
+    def __init__(self) -> None:
+        self.run_dir = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services")) / "run"
+        self.stopped: list[str] = []
+
+    def require_ours(self, name: str) -> None:
+        if not (self.run_dir / f"{name}.pid").exists():
+            pytest.skip(f"{name} was not started by scripts/services, so this test may not stop it")
+
+    def stop(self, name: str) -> None:
+        self.require_ours(name)
+        subprocess.run([str(ROOT / "scripts" / "services"), "down", name], check=True, capture_output=True)
+        self.stopped.append(name)
+
+    def start(self, name: str) -> None:
+        subprocess.run([str(ROOT / "scripts" / "services"), "up", name], check=True, capture_output=True)
+        self.stopped.remove(name)
+
+    def restore(self) -> None:
+        for name in list(self.stopped):
+            self.start(name)

@@ -1,0 +1,1 @@
+"""Benchmarks of celery-delayed on the real local servers (``python -m bench.dispatch``)."""

@@ -1,0 +1,447 @@
+"""Dispatch benchmark: real pollers moving due tasks from the Redis store to Kafka.
+
+1. Throughput: N due tasks preloaded with ``DelayedStore.schedule_many``, then 1
+   (and then 2) ``celery -A tasks delayed poller`` processes are started; tasks/s
+   until every record is on the topic and the store is empty.
+2. Lag: one poller leading every partition; a separate process schedules tasks at a
+   fixed rate, each due ~2 s later; lag = Kafka CreateTime - due time, per record.
+
+``python -m bench.dispatch [--quick] [--tasks N] [--rates 1000,5000] [--duration S]``
+Results (JSON, PNG, poller logs) go to ``bench/results/``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import queue as queue_mod
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from celery_delayed.envelope import Envelope
+from celery_delayed.kafka import ensure_topics
+from celery_delayed.settings import Settings
+from celery_delayed.store import DelayedStore, partition_of
+
+from .common import (RESULTS, Processes, cleanup, high_watermark, make_consumer, new_overrides, plot_lags,
+                     settings_of, summary, topic_partitions)
+
+console = Console()
+#: MEASURED.md: Lua claim end to end into Python, ~125k tasks/s at 100k tasks in the set.
+CLAIM_CEILING = 125_000
+LEAD_S = 2.0  # how far in the future the lag scenario's tasks are due
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What one run measures."""
+
+    tasks: int
+    rates: list[int]
+    duration: float
+    partitions: int
+    pollers: list[int]
+
+
+# -- messages --------------------------------------------------------------------
+def capture_template(partitions: int) -> Envelope:
+    """The envelope Celery really stores for ``add.apply_async((2, 2), countdown=3600)``."""
+    from celery_delayed import store_of
+    from tasks import create_app
+
+    overrides = new_overrides(partitions)
+    app = create_app(**overrides)
+    store = store_of(app)
+    try:
+        result = app.tasks["tasks.demo.add"].apply_async((2, 2), countdown=3600)
+        data = store.redis.hget(store.key(store.partition(result.id), "msg"), result.id)
+        if data is None:
+            raise RuntimeError("the captured countdown task is not in the delayed store")
+        store.cancel(result.id)
+        return Envelope.decode(data)
+    finally:
+        cleanup(store.settings, [])
+
+
+def envelope_bytes(template: Envelope, queue: str, task_id: str, due_ms: int) -> bytes:
+    """``template`` as a new task: its own id (meta, headers, correlation id), queue and ETA."""
+    headers = {**template.headers, "id": task_id, "root_id": task_id,
+               "eta": datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()}
+    properties = dict(template.properties)
+    if "correlation_id" in properties:
+        properties["correlation_id"] = task_id
+    return dataclasses.replace(template, task_id=task_id, queue=queue, routing_key=queue, headers=headers,
+                               properties=properties).encode()
+
+
+# -- reading the topic -------------------------------------------------------------
+def assign_from_start(consumer: Consumer, topic: str, partitions: list[int]) -> None:
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+
+
+def read_all(consumer: Consumer, topic: str, partitions: list[int], total: int,
+             timeout: float) -> Iterator[tuple[str, int]]:
+    """``(key, CreateTime ms)`` of the first ``total`` records of ``topic``."""
+    assign_from_start(consumer, topic, partitions)
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while seen < total and time.monotonic() < deadline:
+        for record in consumer.consume(num_messages=10_000, timeout=0.5):
+            if record.error():
+                continue
+            seen += 1
+            yield record.key().decode(), record.timestamp()[1]
+
+
+# -- poller logs -------------------------------------------------------------------
+_LEADS = re.compile(r"^\[(\S+ \S+): INFO/[\w.]+\] poller (\S+) leads partitions \[([\d, ]*)\]")
+
+
+def leadership_changes(log: Path, since: float) -> list[dict[str, Any]]:
+    """The ``leads partitions`` lines of a poller log, ``t`` in seconds since ``since`` (epoch)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        match = _LEADS.match(line)
+        if match:
+            stamp = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time
+            out.append({"t": round(stamp - since, 3), "poller": match[2],
+                        "partitions": [int(p) for p in match[3].split(",") if p.strip()]})
+    return out
+
+
+# -- scenario 1: throughput ------------------------------------------------------------
+def throughput(template: Envelope, profile: Profile, pollers: int, procs: Processes, progress: Progress,
+               py_spy: bool) -> dict[str, Any]:
+    """Preload ``profile.tasks`` due tasks, start ``pollers`` pollers, time until all are on Kafka."""
+    n = profile.tasks
+    overrides = new_overrides(profile.partitions)
+    settings = settings_of(overrides)
+    queue = overrides["task_default_queue"]
+    topic = settings.topic(queue)
+    store = DelayedStore(settings)
+    consumer = make_consumer(settings)
+    spy: subprocess.Popen | None = None
+    try:
+        ensure_topics(settings, [queue])
+        parts = topic_partitions(settings, topic)
+        load = progress.add_task(f"{pollers} poller(s): preload", total=n)
+        base_ms = int(time.time() * 1000) - 60_000  # due over the past minute, increasing scores
+        ids = [str(uuid.uuid4()) for _ in range(n)]
+        t_load = time.time()
+        added = store.schedule_many(
+            ((tid, base_ms + i * 60_000 // n, envelope_bytes(template, queue, tid, base_ms + i * 60_000 // n))
+             for i, tid in enumerate(ids)), progress=lambda k: progress.advance(load, k))
+        load_s = time.time() - t_load
+        if added != n:
+            raise RuntimeError(f"preloaded {added} of {n} tasks")
+        msg_bytes = sum(store.redis.memory_usage(store.key(p, "msg")) or 0 for p in range(settings.partitions))
+
+        job = progress.add_task(f"{pollers} poller(s): dispatch", total=n)
+        t0 = time.time()
+        started = [procs.poller(overrides, f"throughput-{pollers}p-{k}") for k in range(pollers)]
+        if py_spy and shutil.which("py-spy"):
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(started[0].pid), "--rate", "200",
+                                    "--nonblocking", "--format", "raw", "-o",
+                                    str(procs.logdir / f"py-spy-throughput-{pollers}p.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = t0 + 60 + n / 1000
+        on_topic, t_all_on_topic, t_done = 0, None, None
+        while time.time() < deadline:
+            procs.check_alive()
+            on_topic = high_watermark(consumer, topic, parts)
+            progress.update(job, completed=min(on_topic, n))
+            if on_topic >= n:
+                t_all_on_topic = t_all_on_topic or time.time()
+                if all(r["scheduled"] == 0 and r["inflight"] == 0 for r in store.counts()):
+                    t_done = time.time()
+                    break
+            time.sleep(0.05)
+        if t_done is None:
+            raise RuntimeError(f"{pollers} poller(s): only {on_topic} of {n} records on {topic} "
+                               f"after {time.time() - t0:.0f} s; logs in {procs.logdir}")
+        leftover = sum(store.redis.hlen(store.key(p, "msg")) for p in range(settings.partitions))
+
+        verify = progress.add_task(f"{pollers} poller(s): verify topic", total=on_topic)
+        keys: set[str] = set()
+        first_ms, last_ms, records = None, 0, 0
+        for key, ts in read_all(consumer, topic, parts, on_topic, timeout=120):
+            keys.add(key)
+            records += 1
+            first_ms = ts if first_ms is None else min(first_ms, ts)
+            last_ms = max(last_ms, ts)
+            if records % 10_000 == 0:
+                progress.update(verify, completed=records)
+        progress.update(verify, completed=records)
+        lost = sum(1 for tid in ids if tid not in keys)
+        wall = t_done - t0
+        dispatch_s = max((last_ms - (first_ms or last_ms)) / 1000, 1e-3)
+        logs = [log for p, log in procs.procs if p in started]
+        return {"pollers": pollers, "tasks": n, "partitions": settings.partitions, "preload_s": round(load_s, 3),
+                "preload_per_s": round(n / load_s), "msg_hash_bytes": msg_bytes,
+                "envelope_bytes": len(envelope_bytes(template, queue, ids[0], base_ms)),
+                "wall_s": round(wall, 3), "per_s_wall": round(n / wall),
+                "all_on_topic_s": round(t_all_on_topic - t0, 3),
+                "first_record_s": round((first_ms or 0) / 1000 - t0, 3), "dispatch_s": round(dispatch_s, 3),
+                "per_s_dispatch": round(n / dispatch_s), "records": records, "lost": lost,
+                "duplicates": records - len(keys), "msg_left_in_store": leftover,
+                "leadership": [c for log in logs for c in leadership_changes(log, t0)],
+                "logs": [str(log) for log in logs]}
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+            try:
+                spy.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+        procs.stop_all()
+        consumer.close()
+        cleanup(settings, [topic])
+
+
+# -- scenario 2: lag at a fixed rate --------------------------------------------------------
+def schedule_at_rate(settings_map: dict[str, Any], template: Envelope, queue: str, rate: int, duration: float,
+                     start: float, out: "mp.Queue[Any]") -> None:
+    """Child process: schedule ``rate`` tasks/s for ``duration`` s, task i due at ``start + LEAD_S + i/rate``.
+
+    Sends each batch's ``[(task_id, due_ms), ...]`` to ``out`` before storing it, then
+    ``("done", stats)``.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this ends
+    store = DelayedStore(Settings.from_mapping(settings_map))
+    total = int(rate * duration)
+    done, min_headroom_ms, max_behind_ms = 0, float("inf"), 0.0
+    while time.time() < start:
+        time.sleep(0.001)
+    while done < total:
+        now = time.time()
+        target = min(total, int((now - start) * rate) + 1)
+        if target > done:
+            batch = []
+            for i in range(done, target):
+                tid = str(uuid.uuid4())
+                due_ms = int((start + LEAD_S + i / rate) * 1000)
+                batch.append((tid, due_ms, envelope_bytes(template, queue, tid, due_ms)))
+            out.put([(tid, due_ms) for tid, due_ms, _ in batch])
+            store.schedule_many(batch)
+            stored_ms = time.time() * 1000
+            max_behind_ms = max(max_behind_ms, now * 1000 - (start + done / rate) * 1000)
+            min_headroom_ms = min(min_headroom_ms, batch[0][1] - stored_ms)
+            done = target
+        time.sleep(0.005)
+    out.put(("done", {"scheduled": done, "elapsed_s": time.time() - start,
+                      "max_behind_ms": round(max_behind_ms, 1), "min_headroom_ms": round(min_headroom_ms, 1)}))
+
+
+def warm_up(settings: Settings, template: Envelope, queue: str, consumer: Consumer, procs: Processes,
+            timeout: float = 60.0) -> float:
+    """Schedule one task due now in every partition; wait until all are on Kafka (the poller leads all)."""
+    store = DelayedStore(settings)
+    ids: dict[int, str] = {}
+    while len(ids) < settings.partitions:
+        tid = str(uuid.uuid4())
+        ids.setdefault(partition_of(tid, settings.partitions), tid)
+    now_ms = int(time.time() * 1000)
+    store.schedule_many([(tid, now_ms, envelope_bytes(template, queue, tid, now_ms)) for tid in ids.values()])
+    waiting = set(ids.values())
+    t0 = time.time()
+    while waiting and time.time() < t0 + timeout:
+        procs.check_alive()
+        for record in consumer.consume(num_messages=100, timeout=0.2):
+            if not record.error():
+                waiting.discard(record.key().decode())
+    if waiting:
+        raise RuntimeError(f"warm-up: {len(waiting)} partition(s) not dispatched after {timeout:.0f} s")
+    return time.time() - t0
+
+
+def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progress: Progress) -> dict[str, Any]:
+    """One poller; tasks scheduled at ``rate``/s for ``profile.duration`` s; lag of every record."""
+    overrides = new_overrides(profile.partitions)
+    settings = settings_of(overrides)
+    queue = overrides["task_default_queue"]
+    topic = settings.topic(queue)
+    consumer = make_consumer(settings)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    scheduler: mp.Process | None = None
+    try:
+        ensure_topics(settings, [queue])
+        assign_from_start(consumer, topic, topic_partitions(settings, topic))
+        procs.poller(overrides, f"lag-{rate}")
+        warm_s = warm_up(settings, template, queue, consumer, procs)
+
+        total = int(rate * profile.duration)
+        job = progress.add_task(f"lag @ {rate}/s: delivered", total=total)
+        start = time.time() + 0.5
+        settings_map = {k[len("delayed_"):]: v for k, v in overrides.items() if k.startswith("delayed_")}
+        scheduler = ctx.Process(target=schedule_at_rate, name=f"scheduler-{rate}", daemon=True,
+                                args=(settings_map, template, queue, rate, profile.duration, start, out))
+        scheduler.start()
+        due: dict[str, int] = {}
+        seen: dict[str, list[tuple[int, int]]] = {}  # task id -> [(CreateTime ms, received ms)]
+        stats: dict[str, Any] | None = None
+        deadline = start + profile.duration + LEAD_S + 60
+        while time.time() < deadline:
+            for record in consumer.consume(num_messages=1000, timeout=0.1):
+                if not record.error():
+                    seen.setdefault(record.key().decode(), []).append(
+                        (record.timestamp()[1], int(time.time() * 1000)))
+            while True:
+                try:
+                    item = out.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if isinstance(item, tuple) and item[0] == "done":
+                    stats = item[1]
+                else:
+                    due.update(item)
+            delivered = sum(1 for tid in due if tid in seen) if stats else len(seen)
+            progress.update(job, completed=min(delivered, total))
+            if stats is not None and delivered >= len(due):
+                break
+            procs.check_alive()
+            if stats is None and not scheduler.is_alive() and out.empty():
+                raise RuntimeError(f"the scheduler process exited with {scheduler.exitcode}")
+        time.sleep(0.5)  # let a late duplicate land before counting
+        for record in consumer.consume(num_messages=10_000, timeout=0.5):
+            if not record.error():
+                seen.setdefault(record.key().decode(), []).append((record.timestamp()[1], int(time.time() * 1000)))
+        lags = [seen[tid][0][0] - d for tid, d in due.items() if tid in seen]
+        seen_lags = [seen[tid][0][1] - d for tid, d in due.items() if tid in seen]
+        return {"rate": rate, "duration_s": profile.duration, "partitions": settings.partitions,
+                "scheduled": len(due), "delivered": len(lags), "lost": len(due) - len(lags),
+                "duplicates": sum(len(v) - 1 for tid, v in seen.items() if tid in due),
+                "warm_up_s": round(warm_s, 3), "scheduler": stats, "lag_ms": summary(lags),
+                "consumer_seen_lag_ms": summary(seen_lags), "lags": lags,
+                "log": str(procs.procs[-1][1]) if procs.procs else None}
+    finally:
+        if scheduler is not None and scheduler.is_alive():
+            scheduler.terminate()
+            scheduler.join(10)
+            if scheduler.is_alive():
+                scheduler.kill()
+                scheduler.join()
+        procs.stop_all()
+        consumer.close()
+        cleanup(settings, [topic])
+
+
+# -- report ----------------------------------------------------------------------------
+def report(throughputs: list[dict[str, Any]], lags: list[dict[str, Any]]) -> None:
+    """Print the result tables."""
+    if throughputs:
+        table = Table("pollers", "tasks", "preload/s", "wall s", "tasks/s (wall)", "1st record s", "dispatch s",
+                      "tasks/s (dispatch)", "lost", "dup", title="Throughput: preloaded due tasks -> Kafka")
+        for r in throughputs:
+            table.add_row(str(r["pollers"]), f"{r['tasks']:,}", f"{r['preload_per_s']:,}", f"{r['wall_s']:.2f}",
+                          f"{r['per_s_wall']:,}", f"{r['first_record_s']:.2f}", f"{r['dispatch_s']:.2f}",
+                          f"{r['per_s_dispatch']:,}", str(r["lost"]), str(r["duplicates"]))
+        console.print(table)
+        by = {r["pollers"]: r for r in throughputs}
+        if 1 in by and 2 in by:
+            console.print(f"2/1 pollers: {by[2]['per_s_wall'] / by[1]['per_s_wall']:.2f}x (wall), "
+                          f"{by[2]['per_s_dispatch'] / by[1]['per_s_dispatch']:.2f}x (dispatch)")
+        best = max(r["per_s_dispatch"] for r in throughputs)
+        console.print(f"claim ceiling (MEASURED.md, 100k in the set): ~{CLAIM_CEILING:,}/s; "
+                      f"best dispatch rate here {best:,}/s = {best / CLAIM_CEILING:.0%} of it")
+    if lags:
+        table = Table("rate/s", "s", "scheduled", "delivered", "lost", "dup", "lag p50", "p99", "p99.9", "max",
+                      "sched. behind max", title="Lag: Kafka CreateTime - due time (1 poller)")
+        for r in lags:
+            s = r["lag_ms"]
+            table.add_row(f"{r['rate']:,}", f"{r['duration_s']:g}", f"{r['scheduled']:,}", f"{r['delivered']:,}",
+                          str(r["lost"]), str(r["duplicates"]), f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms",
+                          f"{s['p999']:.0f} ms", f"{s['max']:.0f} ms",
+                          f"{(r['scheduler'] or {}).get('max_behind_ms', float('nan')):.0f} ms")
+        console.print(table)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Profile, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small profile: 20k tasks, rates 500,2000, 8 s")
+    parser.add_argument("--tasks", type=int, help="preloaded tasks for throughput (default 200000)")
+    parser.add_argument("--rates", help="comma-separated rates for the lag runs (default 1000,5000)")
+    parser.add_argument("--duration", type=float, help="seconds each lag run schedules (default 20)")
+    parser.add_argument("--partitions", type=int, default=8, help="store partitions (default 8, as config/)")
+    parser.add_argument("--pollers", default="1,2", help="poller counts for throughput (default 1,2)")
+    parser.add_argument("--skip", choices=["throughput", "lag"], action="append", default=[],
+                        help="skip a scenario (repeatable)")
+    parser.add_argument("--py-spy", action="store_true", help="record the first throughput poller with py-spy")
+    opts = parser.parse_args(argv)
+    quick = opts.quick
+    rates = opts.rates or ("500,2000" if quick else "1000,5000")
+    profile = Profile(tasks=opts.tasks or (20_000 if quick else 200_000),
+                      rates=[int(r) for r in rates.split(",") if r.strip()],
+                      duration=opts.duration or (8.0 if quick else 20.0), partitions=opts.partitions,
+                      pollers=[int(p) for p in opts.pollers.split(",") if p.strip()])
+    if profile.tasks < 1 or profile.tasks > 10_000_000 or profile.duration <= 0 or profile.duration > 600 \
+            or any(r < 1 or r > 100_000 for r in profile.rates) or any(p < 1 or p > 8 for p in profile.pollers):
+        parser.error("out of bounds: 1 <= tasks <= 10M, 0 < duration <= 600, 1 <= rate <= 100k, 1 <= pollers <= 8")
+    return profile, opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    profile, opts = parse_args(argv)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    logdir = RESULTS / f"dispatch-{stamp}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    procs = Processes(logdir)
+    throughputs: list[dict[str, Any]] = []
+    lags: list[dict[str, Any]] = []
+    console.print(f"[bold]dispatch benchmark[/] {profile}; logs in {logdir}")
+    try:
+        template = capture_template(profile.partitions)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            if "throughput" not in opts.skip:
+                for n in profile.pollers:
+                    throughputs.append(throughput(template, profile, n, procs, progress,
+                                                  py_spy=opts.py_spy and n == profile.pollers[0]))
+            if "lag" not in opts.skip:
+                for rate in profile.rates:
+                    lags.append(lag(template, profile, rate, procs, progress))
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]")
+        return 130
+    finally:
+        procs.stop_all()
+    report(throughputs, lags)
+    plot = None
+    if lags:
+        plot = plot_lags({f"{r['rate']}/s (n={r['delivered']})": r["lags"] for r in lags},
+                         RESULTS / f"dispatch-{stamp}.png",
+                         f"celery-delayed dispatch lag, 1 poller, {profile.partitions} partitions")
+    result = {"profile": dataclasses.asdict(profile), "argv": sys.argv, "started": stamp,
+              "claim_ceiling_per_s": CLAIM_CEILING, "throughput": throughputs,
+              "lag": [{k: v for k, v in r.items() if k != "lags"} for r in lags],
+              "plot": str(plot) if plot else None, "logs": str(logdir)}
+    path = RESULTS / f"dispatch-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"results: {path}" + (f"\nplot: {plot}" if plot else ""))
+    lost = sum(r["lost"] for r in throughputs + lags)
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Prometheus metrics of celery-delayed, in prometheus_client's default registry.
+
+The default registry is what Flower's ``/metrics`` renders, so a Flower started
+on an app that imports celery_delayed shows these too.  Store-wide gauges
+(scheduled, inflight, overdue) are read from Redis at scrape time.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+DISPATCHED = Counter("celery_delayed_dispatched", "Tasks delivered to Kafka by this poller")
+DELIVERY_FAILED = Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)")
+DEAD_LETTERED = Counter("celery_delayed_dead_lettered", "Messages moved to the dead-letter queue", ["source"])
+FENCE_REJECTIONS = Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists")
+DISPATCH_LAG = Histogram("celery_delayed_dispatch_lag_seconds", "Due time to Kafka delivery confirmation",
+                         buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
+LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller leads", ["partition"])
+
+
+class StoreCollector(Collector):
+    """Scheduled, in-flight and overdue counts of the whole store, read when scraped."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts = self.store.counts()
+        now_ms = time.time() * 1000
+        scheduled = GaugeMetricFamily("celery_delayed_scheduled", "Tasks waiting in the store", labels=["partition"])
+        inflight = GaugeMetricFamily("celery_delayed_inflight", "Tasks claimed, awaiting Kafka's confirmation",
+                                     labels=["partition"])
+        overdue_age = GaugeMetricFamily("celery_delayed_oldest_overdue_seconds",
+                                        "How long the oldest task past its due time has waited", labels=["partition"])
+        for row in counts:
+            p = str(row["partition"])
+            scheduled.add_metric([p], row["scheduled"])
+            inflight.add_metric([p], row["inflight"])
+            due = row["next_due_ms"]
+            overdue_age.add_metric([p], max(0.0, (now_ms - due) / 1000) if due is not None else 0.0)
+        overdue = GaugeMetricFamily("celery_delayed_overdue", "Tasks past their due time still in the store")
+        overdue.add_metric([], self.store.overdue_count())
+        yield from (scheduled, inflight, overdue_age, overdue)
+
+
+_collector: StoreCollector | None = None
+
+
+def register_store(store) -> None:
+    """Expose the store's gauges in the default registry (the first store registered wins)."""
+    global _collector
+    if _collector is None:
+        _collector = StoreCollector(store)
+        REGISTRY.register(_collector)

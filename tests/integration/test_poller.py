@@ -1,0 +1,206 @@
+"""The poller under failure, with real pollers as OS processes and real etcd, Redis and Kafka."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from celery_delayed.dlq import DeadLetters
+from celery_delayed.leadership import Leadership, make_etcd
+from celery_delayed.poller import Poller
+from celery_delayed.settings import Settings
+from celery_delayed.store import DelayedStore
+
+from .support import TopicReader, envelopes, leaders, wait_for
+
+
+def settings_for(overrides: dict, **extra) -> Settings:
+    values = {k[len("delayed_"):]: v for k, v in overrides.items() if k.startswith("delayed_")}
+    return Settings.from_mapping({**values, **extra})
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
+    n = 100_000
+    overrides.update(delayed_partitions=8, delayed_visibility_timeout=3)
+    settings = settings_for(overrides)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    assert store.schedule_many(envelopes(n, queue, now_ms())) == n
+
+    first, second = processes.poller(), processes.poller()
+    wait_for(lambda: set(leaders(settings).values()) == {first.pid, second.pid}, 30,
+             "both pollers to lead partitions")
+    wait_for(lambda: reader.read(timeout=0.05) is not None and len(reader.keys) >= n // 5, 60,
+             "a fifth of the tasks on Kafka")
+    os.kill(first.pid, signal.SIGKILL)
+    killed_at = len(reader.keys)
+
+    keys = reader.read_until(n, timeout=120)
+    reader.close()
+    lost, duplicates = n - len(keys), sum(keys.values()) - len(keys)
+    print(f"\nkill -9 after {killed_at} of {n} delivered: lost={lost} duplicates={duplicates}")
+    assert killed_at < n, "the poller was killed after dispatch had ended: the test proved nothing"
+    assert lost == 0
+    wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30,
+             "the store to be empty")
+    assert set(leaders(settings).values()) == {second.pid}
+
+
+def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
+    settings = settings_for(overrides, partitions=1)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    store.schedule_many(envelopes(1, queue, now_ms() - 1000))
+
+    old = Leadership(settings)
+    (old_token,) = old.step().values()
+    poller = Poller(settings, store=store, leadership=old)
+    make_etcd(settings).revoke_lease(old._lease.id)  # as if it was paused past its TTL
+    new = Leadership(settings)
+    (new_token,) = new.step().values()
+    assert new_token > old_token
+    store.claim(0, new_token, 0)  # the new leader's first claim records its token
+
+    assert old.owned() == {0: old_token}  # the paused leader has not noticed yet...
+    assert poller.tick() == 0  # ...but its claim is refused
+    assert poller.stats["fenced"] == 1
+    assert store.get("task-0")["state"] == "scheduled"
+    assert old.owned() == {}
+    assert old.step() == {}  # and etcd no longer gives it the partition
+    new.release()
+    old.release()
+
+
+def test_sigterm_hands_partitions_over_without_waiting_for_the_ttl(overrides, processes):
+    overrides.update(delayed_lease_ttl=15)
+    settings = settings_for(overrides)
+    first = processes.poller()
+    wait_for(lambda: set(leaders(settings).values()) == {first.pid}, 30, "the first poller to lead")
+    second = processes.poller()
+    wait_for(lambda: set(leaders(settings).values()) == {first.pid, second.pid}, 30,
+             "the partitions to be shared")
+
+    started = time.monotonic()
+    first.send_signal(signal.SIGTERM)
+    wait_for(lambda: leaders(settings) and set(leaders(settings).values()) == {second.pid}
+             and len(leaders(settings)) == settings.partitions, 10, "the standby to take every partition")
+    took = time.monotonic() - started
+    print(f"\nhandover after SIGTERM took {took:.2f} s (lease TTL {settings.lease_ttl} s)")
+    assert took < settings.lease_ttl / 2
+    assert first.wait(timeout=15) == 0
+
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    DelayedStore(settings).schedule_many(envelopes(50, queue, now_ms() + 500))
+    assert len(reader.read_until(50, timeout=30)) == 50
+    reader.close()
+
+
+def test_no_dispatch_while_etcd_is_down_then_recovery(overrides, processes, servers):
+    servers.require_ours("etcd")
+    settings = settings_for(overrides)  # lease TTL 2 s
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    poller = processes.poller()
+    wait_for(lambda: len(leaders(settings)) == settings.partitions, 30, "the poller to lead")
+
+    servers.stop("etcd")
+    stopped = time.monotonic()
+    store.schedule_many(envelopes(200, queue, now_ms() + 3000))
+    while time.monotonic() - stopped < 8:  # past the due time and past the TTL
+        reader.read(timeout=0.2)
+    assert len(reader.keys) == 0, "a poller that cannot reach etcd dispatched tasks"
+    assert sum(r["scheduled"] for r in store.counts()) == 200
+    assert poller.poll() is None
+
+    servers.start("etcd")
+    assert len(reader.read_until(200, timeout=60)) == 200
+    reader.close()
+
+
+def test_kafka_outage_loses_nothing_and_dispatch_resumes(overrides, processes, servers):
+    servers.require_ours("kafka")
+    settings = settings_for(overrides)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    poller = processes.poller()
+    wait_for(lambda: len(leaders(settings)) == settings.partitions, 30, "the poller to lead")
+
+    servers.stop("kafka")
+    store.schedule_many(envelopes(1000, queue, now_ms() + 500))
+    time.sleep(4)  # due while Kafka is down
+    assert sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 1000
+    servers.start("kafka")
+
+    reader = TopicReader(settings, settings.topic(queue))
+    keys = reader.read_until(1000, timeout=90)
+    reader.close()
+    assert len(keys) == 1000
+    assert poller.poll() is None
+    wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30,
+             "the store to be empty")
+
+
+def test_undecodable_stored_message_goes_to_the_dead_letter_queue(overrides, processes):
+    settings = settings_for(overrides, partitions=1)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    store.schedule_many([("poison", now_ms(), b"\x80not an envelope")])
+    store.schedule_many(envelopes(10, queue, now_ms()))
+    processes.poller()
+    assert len(reader.read_until(10, timeout=30)) == 10  # the loop went on past the poison
+    reader.close()
+    letters = DeadLetters(store)
+    letter = wait_for(lambda: letters.get("poison"), 10, "the poison message in the dead-letter queue")
+    assert letter.source == "poller" and "undecodable" in letter.reason
+    assert letter.message == b"\x80not an envelope"
+    assert store.get("task-0") is None and store.redis.hget(store.key(0, "msg"), "poison") is None
+
+
+def test_overdue_backlog_drains_at_the_configured_rate(overrides, processes):
+    overrides.update(delayed_max_dispatch_rate=500)
+    settings = settings_for(overrides)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    DelayedStore(settings).schedule_many(envelopes(2000, queue, now_ms() - 60_000))  # an outage's backlog
+    processes.poller()
+    reader.read_until(1, timeout=30)
+    started = time.monotonic()
+    assert len(reader.read_until(2000, timeout=60)) == 2000
+    took = time.monotonic() - started
+    print(f"\n2000 overdue tasks at max 500/s drained in {took:.1f} s")
+    assert took >= 2.5  # 1999 more at <= 500/s, after at most a one-second burst
+
+
+def test_poller_metrics_endpoint(overrides, processes):
+    import urllib.request
+
+    port = 19400 + os.getpid() % 500
+    settings = settings_for(overrides)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    DelayedStore(settings).schedule_many(envelopes(20, queue, now_ms()))
+    DelayedStore(settings).schedule_many(envelopes(5, queue, now_ms() + 3_600_000, prefix="later"))
+    processes.start("poller", "delayed", "poller", "--metrics-port", str(port))
+    reader.read_until(20, timeout=30)
+    reader.close()
+
+    def scrape():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return None
+        return text if "celery_delayed_dispatched_total 20.0" in text else None
+
+    text = wait_for(scrape, 20, "the metrics endpoint to count 20 dispatched tasks")
+    assert "celery_delayed_dispatch_lag_seconds_count 20.0" in text
+    assert sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("celery_delayed_scheduled{")) == 5
+    assert 'celery_delayed_leading{partition="0"} 1.0' in text

@@ -17,6 +17,8 @@ from rich.table import Table
 
 from . import metrics, store_of
 from .poller import Poller
+from .settings import ConfigurationError, Settings
+from .store import DelayedStore
 
 console = Console()
 
@@ -28,6 +30,15 @@ def delayed(ctx: click.Context) -> None:
     """celery-delayed: scheduled tasks in Redis, dispatched through Kafka."""
 
 
+def _load(ctx: click.Context) -> tuple[Settings, DelayedStore]:
+    """The app's validated settings and its store; a bad setting is a one-line error, not a traceback."""
+    try:
+        store = store_of(ctx.obj.app)
+        return store.settings, store
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @delayed.command(cls=CeleryCommand)
 @click.option("-l", "--loglevel", default="INFO", show_default=True, help="Logging level.")
 @click.option("--metrics-port", type=int, default=None,
@@ -36,9 +47,7 @@ def delayed(ctx: click.Context) -> None:
 def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     """Run a poller: lead partitions through etcd, move due tasks to Kafka."""
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
-    app = ctx.obj.app
-    settings = app.amqp.delayed_settings
-    store = store_of(app)
+    settings, store = _load(ctx)
     port = settings.metrics_port if metrics_port is None else metrics_port
     if port:
         metrics.register_store(store)
@@ -59,7 +68,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Per-partition counts of scheduled and in-flight tasks, and the next due time."""
-    counts = store_of(ctx.obj.app).counts()
+    counts = _load(ctx)[1].counts()
     if as_json:
         click.echo(json.dumps(counts))
         return

@@ -38,17 +38,22 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
     wait_for(lambda: reader.read(timeout=0.05) is not None and len(reader.keys) >= n // 5, 60,
              "a fifth of the tasks on Kafka")
     os.kill(first.pid, signal.SIGKILL)
+    killed = time.monotonic()
     killed_at = len(reader.keys)
+    wait_for(lambda: set(leaders(settings).values()) == {second.pid} and len(leaders(settings)) == 8,
+             settings.lease_ttl + 10, "the standby to take the dead poller's partitions")
+    takeover = time.monotonic() - killed
 
     keys = reader.read_until(n, timeout=120)
     reader.close()
     lost, duplicates = n - len(keys), sum(keys.values()) - len(keys)
-    print(f"\nkill -9 after {killed_at} of {n} delivered: lost={lost} duplicates={duplicates}")
+    print(f"\nkill -9 after {killed_at} of {n} delivered: lost={lost} duplicates={duplicates}, "
+          f"standby led all partitions {takeover:.2f} s later (TTL {settings.lease_ttl} s)")
     assert killed_at < n, "the poller was killed after dispatch had ended: the test proved nothing"
     assert lost == 0
+    assert takeover < settings.lease_ttl + 1.5  # TTL + 1 s, with half a second of slack for this machine
     wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30,
              "the store to be empty")
-    assert set(leaders(settings).values()) == {second.pid}
 
 
 def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):

@@ -1,0 +1,39 @@
+"""The celery sub-commands as a user runs them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from celery_delayed.settings import Settings
+from celery_delayed.store import DelayedStore
+
+from .support import ROOT, envelopes, environment
+
+
+def celery(overrides: dict, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**environment(overrides), **extra_env})
+
+
+def test_bad_setting_stops_the_poller_with_an_error_naming_it(overrides):
+    done = celery(overrides, "delayed", "poller", DELAYED_PARTITIONS="zero")
+    assert done.returncode != 0
+    assert "delayed_partitions must be int, got 'zero'" in done.stderr
+
+
+def test_secret_in_a_bad_redis_url_is_not_printed(overrides):
+    done = celery(overrides, "delayed", "status", DELAYED_REDIS_URL="http://user:s3cret@127.0.0.1:6379/0")
+    assert done.returncode != 0
+    assert "delayed_redis_url must be a redis://" in done.stderr
+    assert "s3cret" not in done.stderr + done.stdout
+
+
+def test_status_counts_scheduled_tasks(overrides):
+    settings = Settings.from_mapping({"key_prefix": overrides["delayed_key_prefix"], "partitions": 4})
+    DelayedStore(settings).schedule_many(envelopes(7, "q", int(time.time() * 1000) + 60_000))
+    done = celery(overrides, "delayed", "status", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert len(rows) == 4 and sum(r["scheduled"] for r in rows) == 7

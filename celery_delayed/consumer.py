@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from typing import Any
 
@@ -22,10 +23,12 @@ from confluent_kafka import Consumer, TopicPartition
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
+from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope
 from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
+from .once import RunClaims, finished
 from .settings import Settings
 from .store import DelayedStore
 
@@ -70,6 +73,10 @@ class KafkaFeed:
         self.settings: Settings = getattr(amqp, "delayed_settings", None) or Settings.from_app(c.app)
         self.store = DelayedStore(self.settings)
         self.dead_letters = DeadLetters(self.store)
+        self.claims = RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
+                                lease_s=self.settings.run_lease)
+        self._claimed: set[str] = set()
+        self._claimed_lock = threading.Lock()
         self.queues = sorted(amqp.queues.consume_from)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.offsets = OffsetTracker()
@@ -108,7 +115,7 @@ class KafkaFeed:
 
     def _run(self) -> None:
         consumer = self._consumer
-        last_commit = time.monotonic()
+        last_commit = last_extend = time.monotonic()
         full_since: float | None = None
         try:
             while self._running.is_set():
@@ -131,6 +138,9 @@ class KafkaFeed:
                 if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                     self._commit(self.offsets.committable())
                     last_commit = time.monotonic()
+                if time.monotonic() - last_extend >= self.settings.run_lease / 3:
+                    self._extend_claims()
+                    last_extend = time.monotonic()
         except Exception:
             logger.exception("Kafka consumer thread failed")
         finally:
@@ -191,34 +201,66 @@ class KafkaFeed:
     def _dispatch(self, record: Any, partition: PartitionOffsets) -> None:
         offset = record.offset()
         envelope = Envelope.decode(record.value())
+        task_id = envelope.task_id
         headers = dict(envelope.headers)
         headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
-        message = Message(body=envelope.body, content_type=envelope.content_type,
-                          content_encoding=envelope.content_encoding, headers=headers,
-                          properties=envelope.properties, accept=self.accept, channel=None,
-                          delivery_info={"exchange": envelope.exchange,
-                                         "routing_key": envelope.routing_key or envelope.queue})
         try:
             strategy = self.c.strategies[headers["task"]]
         except KeyError:
             self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
             return
+        if finished(self.c.app.backend, task_id):
+            logger.debug("task %s already finished: delivery acknowledged without running", task_id)
+            metrics.SKIPPED_FINISHED.inc()
+            self._settle(partition, offset)
+            return
+        wait_ms = self.claims.acquire(task_id)
+        if wait_ms:  # another copy is running: try again once its claim would have expired
+            metrics.DEFERRED_DUPLICATES.inc()
+            self.store.schedule_many([(task_id, int(time.time() * 1000) + wait_ms, record.value())])
+            self._settle(partition, offset)
+            return
+        with self._claimed_lock:
+            self._claimed.add(task_id)
+        message = Message(body=envelope.body, content_type=envelope.content_type,
+                          content_encoding=envelope.content_encoding, headers=headers,
+                          properties=envelope.properties, accept=self.accept, channel=None,
+                          delivery_info={"exchange": envelope.exchange,
+                                         "routing_key": envelope.routing_key or envelope.queue})
 
         def on_ack(log: Any = None, errors: Any = None) -> None:
+            self._finish(task_id)
             self._settle(partition, offset)
 
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
+            self._finish(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
-                self.store.schedule_many([(envelope.task_id, int(time.time() * 1000), record.value())])
+                self.store.schedule_many([(task_id, int(time.time() * 1000), record.value())])
             self._settle(partition, offset)
 
-        strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+        try:
+            strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+        except Exception:
+            self._finish(task_id)
+            raise
+
+    def _finish(self, task_id: str) -> None:
+        with self._claimed_lock:
+            self._claimed.discard(task_id)
+        self.claims.release(task_id)
+
+    def _extend_claims(self) -> None:
+        with self._claimed_lock:
+            running = list(self._claimed)
+        if running:
+            self.claims.extend(running)
 
     def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
         task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
         self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
                                          message=record.value() or b""))
+        metrics.DEAD_LETTERED.labels("worker").inc()
         self._settle(partition, record.offset())
 
     def _settle(self, partition: PartitionOffsets, offset: int) -> None:

@@ -19,6 +19,10 @@ DEAD_LETTERED = Counter("celery_delayed_dead_lettered", "Messages moved to the d
 FENCE_REJECTIONS = Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists")
 DISPATCH_LAG = Histogram("celery_delayed_dispatch_lag_seconds", "Due time to Kafka delivery confirmation",
                          buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
+SKIPPED_FINISHED = Counter("celery_delayed_skipped_finished",
+                           "Deliveries of tasks that had already finished, acknowledged without running")
+DEFERRED_DUPLICATES = Counter("celery_delayed_deferred_duplicates",
+                              "Deliveries of tasks another copy of which was running, put back in the store")
 LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller leads", ["partition"])
 
 

@@ -66,6 +66,9 @@ class Settings:
     metrics_port: int = 0
     #: Kafka consumer group of the workers.
     consumer_group: str = "celery-delayed"
+    #: Lease of a worker's claim to run a task_id, in seconds; extended while the
+    #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
+    run_lease: float = 30.0
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -110,6 +113,7 @@ class Settings:
         _require(bool(_TOPIC_CHARS.match(self.topic_prefix)), "topic_prefix",
                  "may hold only letters, digits, '.', '_' and '-'")
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
+        _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
         scheme = urlsplit(self.redis_url).scheme
         _require(scheme in ("redis", "rediss", "unix"), "redis_url",
                  f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")

@@ -1,5 +1,5 @@
 """A small demo Celery project that uses celery-delayed (``celery -A tasks ...``)."""
-from . import demo  # noqa: F401  (registers the shared tasks on every app)
+from . import demo, payments  # noqa: F401  (register the shared tasks on every app)
 from .celery import app, create_app
 
-__all__ = ["app", "create_app", "demo"]
+__all__ = ["app", "create_app", "demo", "payments"]

@@ -1,6 +1,8 @@
 """Demo tasks: arithmetic, and a task that records when it ran for the demo's report."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import redis
@@ -30,3 +32,19 @@ def fire(self, run: str, due_ms: int) -> int:
     pipe.rpush(f"demo:{run}:lag", lag_ms)
     pipe.execute()
     return lag_ms
+
+
+@shared_task(name="tasks.demo.work", bind=True)
+def work(self, run: str, seconds: float = 0.0) -> str:
+    """Count this execution of the task id, then take ``seconds`` (a stand-in for real work)."""
+    _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
+    time.sleep(seconds)
+    return self.request.id
+
+
+@shared_task(name="tasks.demo.crash_once", bind=True)
+def crash_once(self, run: str) -> str:
+    """Kill the process running it on its first execution (as the OOM killer would)."""
+    if _redis().hincrby(f"demo:{run}:runs", self.request.id, 1) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "survived"

@@ -1,0 +1,8 @@
+-- Extend a run claim this worker holds, while its task still runs.
+--
+-- KEYS[1] run claim key   ARGV[1] owner   ARGV[2] lease ms
+-- Returns 1 when extended, 0 when the claim is not ours (any more).
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0

@@ -1,0 +1,135 @@
+"""The worker side with real worker processes: offsets, crashes, duplicates, poison."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import redis
+from confluent_kafka import Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetters
+from tasks import create_app
+
+from .support import wait_for
+
+
+def due_in(app, name: str, args: tuple, seconds: float = 1.5, **options):
+    return app.tasks[name].apply_async(args, countdown=seconds, **options)
+
+
+def committed(app, partition: int = 0) -> int:
+    settings = app.amqp.delayed_settings
+    topic = settings.topic(app.conf.task_default_queue)
+    admin = AdminClient(settings.kafka())
+    from confluent_kafka import ConsumerGroupTopicPartitions
+    future = admin.list_consumer_group_offsets(
+        [ConsumerGroupTopicPartitions(settings.consumer_group, [TopicPartition(topic, partition)])])
+    (result,) = future.values()
+    return result.result().topic_partitions[0].offset
+
+
+def test_out_of_order_completion_never_commits_past_a_running_task(overrides, processes):
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    slow = due_in(app, "tasks.demo.work", (run, 8.0), seconds=1.5)
+    fast = [due_in(app, "tasks.demo.work", (run, 0.0), seconds=2.5) for _ in range(10)]
+    processes.poller()
+    processes.worker("w1", "-c", "4")
+    for r in fast:
+        r.get(timeout=60)
+    time.sleep(1.5)  # several commit intervals
+    assert not slow.ready()
+    assert committed(app) == 0, "committed past the slow task that is still running"
+    slow.get(timeout=60)
+    wait_for(lambda: committed(app) == 11, 10, "the commit to move past every task once all ended")
+
+
+def test_kill_9_of_a_worker_mid_task_loses_nothing_and_charges_once(overrides, processes):
+    app = create_app(**overrides)
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    n = 60
+    results = [due_in(app, "tasks.payments.charge", (f"order-{i}-{overrides['delayed_key_prefix']}", 100, 0.3))
+               for i in range(n)]
+    processes.poller()
+    first = processes.worker("w1", "-c", "4")
+    wait_for(lambda: r.hlen("payments:attempts") and
+             sum(r.hexists("payments:attempts", x.id) for x in results) >= 12, 60, "a dozen charges to start")
+    os.killpg(first.pid, signal.SIGKILL)  # the main process and its pool children, mid-task
+    first.wait()
+    processes.worker("w2", "-c", "4")
+    for x in results:
+        assert x.get(timeout=120) in (True, False)
+    attempts = [int(r.hget("payments:attempts", x.id)) for x in results]
+    charged = [int(r.get(f"payments:charged:order-{i}-{overrides['delayed_key_prefix']}") or 0) for i in range(n)]
+    print(f"\nkill -9 of a worker: {n} tasks, {sum(attempts)} executions, "
+          f"{sum(a > 1 for a in attempts)} ran twice, every order charged once")
+    assert charged == [100] * n  # the side effect keyed by task id happened once per task
+
+
+def test_killed_pool_child_task_runs_again(overrides, processes):
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    result = due_in(app, "tasks.demo.crash_once", (run,))
+    processes.poller()
+    processes.worker("w1", "-c", "2")
+    assert result.get(timeout=90) == "survived"
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    assert int(r.hget(f"demo:{run}:runs", result.id)) == 2
+
+
+def test_duplicate_deliveries_run_once(overrides, processes):
+    overrides.update(delayed_run_lease=5)
+    app = create_app(**overrides)
+    settings = app.amqp.delayed_settings
+    store = store_of(app)
+    run = uuid.uuid4().hex
+    slow = app.tasks["tasks.demo.work"].apply_async((run, 3.0), countdown=3600)
+    envelope = store.redis.hget(store.key(store.partition(slow.id), "msg"), slow.id)
+    store.cancel(slow.id)
+    producer = Producer(settings.kafka())
+    topic = settings.topic(app.conf.task_default_queue)
+    processes.poller()
+    processes.worker("w1", "-c", "4")
+    for _ in range(2):  # two copies in flight at once
+        producer.produce(topic, key=slow.id, value=envelope)
+    producer.flush(10)
+    wait_for(lambda: store.get(slow.id) is not None, 20, "the second copy to be deferred to the store")
+    assert slow.get(timeout=60) == slow.id
+    time.sleep(1)
+    producer.produce(topic, key=slow.id, value=envelope)  # and a late one after it finished
+    producer.flush(10)
+    # The copy that arrived while the first ran was put back in the store until the claim's
+    # lease ends; it comes back, finds the result, and is acknowledged without running.
+    wait_for(lambda: sum(x["scheduled"] + x["inflight"] for x in store.counts()) == 0, 30,
+             "the deferred copy to come back from the store")
+    time.sleep(2)
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    assert int(r.hget(f"demo:{run}:runs", slow.id)) == 1
+
+
+def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(overrides, processes):
+    app = create_app(**overrides)
+    settings = app.amqp.delayed_settings
+    topic = settings.topic(app.conf.task_default_queue)
+    processes.worker("w1")
+    producer = Producer(settings.kafka())
+    producer.produce(topic, key=b"garbage-1", value=b"\xff\xfe not an envelope")
+    unknown = app.tasks["tasks.demo.add"].apply_async((1, 2), countdown=3600)
+    store = store_of(app)
+    envelope = store.redis.hget(store.key(store.partition(unknown.id), "msg"), unknown.id)
+    store.cancel(unknown.id)
+    producer.produce(topic, key=unknown.id, value=envelope.replace(b"tasks.demo.add", b"tasks.demo.nope"))
+    producer.flush(10)
+    processes.poller()
+    ok = due_in(app, "tasks.demo.add", (20, 22))
+    assert ok.get(timeout=60) == 42
+    letters = DeadLetters(store)
+    garbage = wait_for(lambda: letters.get("garbage-1"), 20, "the garbage in the dead-letter queue")
+    assert garbage.source == "worker" and "dispatch failed" in garbage.reason
+    nope = wait_for(lambda: letters.get(unknown.id), 20, "the unknown task in the dead-letter queue")
+    assert "unknown task 'tasks.demo.nope'" in nope.reason

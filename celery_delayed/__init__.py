@@ -11,6 +11,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from celery.utils.imports import symbol_by_name
 
+from . import metrics
 from .client import DelayedAMQP, DelayedPublishError
 from .consumer import KafkaConsumerStep
 from .dlq import DeadLetter, DeadLetters
@@ -37,6 +38,7 @@ def install(app: Celery) -> Celery:
         app.__dict__.pop("amqp", None)  # rebuilt from amqp_cls on next use
     if KafkaConsumerStep not in app.steps["consumer"]:
         app.steps["consumer"].add(KafkaConsumerStep)
+    metrics.register_app(app)
     return app
 
 

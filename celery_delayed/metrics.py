@@ -6,12 +6,15 @@ on an app that imports celery_delayed shows these too.  Store-wide gauges
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
 
 DISPATCHED = Counter("celery_delayed_dispatched", "Tasks delivered to Kafka by this poller")
 DELIVERY_FAILED = Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)")
@@ -27,36 +30,58 @@ LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller lead
 
 
 class StoreCollector(Collector):
-    """Scheduled, in-flight and overdue counts of the whole store, read when scraped."""
+    """Scheduled, in-flight, overdue and dead-lettered counts of an app's store, read when scraped."""
 
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, app) -> None:
+        self.app = app
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self.store.counts()
+        up = GaugeMetricFamily("celery_delayed_store_up", "1 when the delayed store answered this scrape")
+        try:
+            families = list(self._families(self.app.amqp.delayed_store))
+        except Exception as exc:  # a scrape must not fail because Redis is down
+            logger.warning("delayed store metrics unavailable: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    @staticmethod
+    def _families(store) -> Iterator[GaugeMetricFamily]:
+        from .dlq import DeadLetters
+
         now_ms = time.time() * 1000
         scheduled = GaugeMetricFamily("celery_delayed_scheduled", "Tasks waiting in the store", labels=["partition"])
         inflight = GaugeMetricFamily("celery_delayed_inflight", "Tasks claimed, awaiting Kafka's confirmation",
                                      labels=["partition"])
         overdue_age = GaugeMetricFamily("celery_delayed_oldest_overdue_seconds",
                                         "How long the oldest task past its due time has waited", labels=["partition"])
-        for row in counts:
+        for row in store.counts():
             p = str(row["partition"])
             scheduled.add_metric([p], row["scheduled"])
             inflight.add_metric([p], row["inflight"])
             due = row["next_due_ms"]
             overdue_age.add_metric([p], max(0.0, (now_ms - due) / 1000) if due is not None else 0.0)
         overdue = GaugeMetricFamily("celery_delayed_overdue", "Tasks past their due time still in the store")
-        overdue.add_metric([], self.store.overdue_count())
-        yield from (scheduled, inflight, overdue_age, overdue)
+        overdue.add_metric([], store.overdue_count())
+        dead = GaugeMetricFamily("celery_delayed_dead_letters", "Messages in the dead-letter queue")
+        dead.add_metric([], DeadLetters(store).count())
+        yield from (scheduled, inflight, overdue_age, overdue, dead)
 
 
 _collector: StoreCollector | None = None
 
 
-def register_store(store) -> None:
-    """Expose the store's gauges in the default registry (the first store registered wins)."""
+def register_app(app) -> None:
+    """Expose the store gauges of ``app`` in the default registry (the first app registered wins).
+
+    Called by :func:`celery_delayed.install`, so every process of the app (a
+    poller's endpoint, Flower's ``/metrics``) shows them; Redis is read only
+    when scraped.
+    """
     global _collector
     if _collector is None:
-        _collector = StoreCollector(store)
+        _collector = StoreCollector(app)
         REGISTRY.register(_collector)

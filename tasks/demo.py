@@ -48,3 +48,12 @@ def crash_once(self, run: str) -> str:
     if _redis().hincrby(f"demo:{run}:runs", self.request.id, 1) == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return "survived"
+
+
+@shared_task(name="tasks.demo.flaky", bind=True, max_retries=5)
+def flaky(self, run: str, failures: int, countdown: float = 2.0) -> int:
+    """Fail ``failures`` times, retrying after ``countdown`` s each time (through the delayed store)."""
+    attempt = _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
+    if attempt <= failures:
+        raise self.retry(countdown=countdown, exc=RuntimeError(f"attempt {attempt} failed"))
+    return attempt

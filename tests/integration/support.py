@@ -40,10 +40,10 @@ class Processes:
         self.overrides = overrides
         self.procs: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         log = self.logdir / f"{name}-{len(self.procs)}.log"
         proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT,
-                                env=environment(self.overrides), stdout=log.open("wb"),
+                                env={**environment(self.overrides), **(env or {})}, stdout=log.open("wb"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((proc, log))
         return proc

@@ -4,14 +4,33 @@ Stored in Redis beside the store (``<prefix>:{dlq}:msg`` HASH and
 ``<prefix>:{dlq}:index`` ZSET by time, one hash tag so it works on a cluster),
 so it survives restarts of every component.  A record is one JSON line
 (reason, traceback, attempts, time, source) followed by the original bytes.
+Operators list and read records, requeue them (back through the store, due
+now, under the same task id) or purge them (``celery delayed dlq ...``).
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Protocol
 
+from .envelope import Envelope, EnvelopeError
 from .store import DelayedStore
+
+#: Records read and requeued per round trip by :meth:`DeadLetters.requeue_all`.
+REQUEUE_CHUNK = 500
+#: Bytes of an undecodable message shown to operators.
+PREVIEW_BYTES = 200
+
+
+class DeadLetterError(ValueError):
+    """A dead letter cannot be read or requeued; the message says which and why."""
+
+
+class ResultBackend(Protocol):
+    """What requeueing needs of a Celery result backend."""
+
+    def forget(self, task_id: str) -> None: ...
 
 
 @dataclass
@@ -27,27 +46,53 @@ class DeadLetter:
     message: bytes = b""
 
     def encode(self) -> bytes:
-        meta = {k: v for k, v in asdict(self).items() if k != "message"}
-        return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.message
+        return json.dumps(self._meta(), separators=(",", ":")).encode() + b"\n" + self.message
 
     @classmethod
     def decode(cls, data: bytes) -> "DeadLetter":
-        end = data.index(b"\n")
-        return cls(**json.loads(data[:end]), message=data[end + 1:])
+        """Parse a record; fields unknown to this version are ignored, a damaged record raises."""
+        end = data.find(b"\n")
+        if end < 0:
+            raise DeadLetterError("dead-letter record has no meta line")
+        try:
+            meta = json.loads(data[:end])
+            return cls(**{k: v for k, v in meta.items() if k in _META_FIELDS}, message=data[end + 1:])
+        except (ValueError, TypeError, AttributeError) as exc:  # not JSON, not an object, fields missing
+            raise DeadLetterError(f"dead-letter record is damaged: {exc}") from None
+
+    def describe(self) -> dict[str, Any]:
+        """Everything an operator may want, JSON-ready: the record's fields, then the
+        message's task name, queue and headers, or why the message is not an envelope."""
+        info = {**self._meta(), "message_bytes": len(self.message)}
+        try:
+            envelope = Envelope.decode(self.message)
+        except EnvelopeError as exc:
+            info.update(task="?", queue=None, headers=None, message_error=str(exc),
+                        message_preview=repr(self.message[:PREVIEW_BYTES]))
+        else:
+            info.update(task=envelope.task_name or "?", queue=envelope.queue, headers=envelope.headers)
+        return info
+
+    def _meta(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "message"}
+
+
+_META_FIELDS = frozenset(f.name for f in fields(DeadLetter)) - {"message"}
 
 
 class DeadLetters:
-    """Add, list and read dead letters by task id."""
+    """Add, list, read, requeue and purge dead letters by task id."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
         prefix = store.settings.key_prefix
         self.keys = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
-        self._script = store.redis.register_script(store.lua_source("dead_letter"))
+        self._scripts = {name: store.redis.register_script(store.lua_source(name))
+                         for name in ("dead_letter", "remove_dead_letter", "purge_dead_letters")}
 
     def add(self, letter: DeadLetter) -> None:
         letter.timestamp = letter.timestamp or time.time()
-        self._script(keys=self.keys, args=[letter.task_id, letter.encode()])
+        self._scripts["dead_letter"](keys=self.keys, args=[letter.task_id, letter.encode()])
 
     def get(self, task_id: str) -> DeadLetter | None:
         data = self.store.redis.hget(self.keys[0], task_id)
@@ -62,3 +107,109 @@ class DeadLetters:
 
     def count(self) -> int:
         return self.store.redis.zcard(self.keys[1])
+
+    # -- requeue -------------------------------------------------------------
+    def requeue(self, task_id: str, backend: ResultBackend | None = None) -> bool:
+        """Send a dead letter back through the store, due now, under the same task id.
+
+        Returns False when there is no such dead letter.  Raises
+        :class:`DeadLetterError`, leaving the record in place, when its message
+        is not an envelope of that task.  ``backend``: the app's result backend,
+        whose stored result of the task is forgotten so the rerun is not skipped.
+        """
+        data = self.store.redis.hget(self.keys[0], task_id)
+        if data is None:
+            return False
+        self._send_back([(task_id, data, _requeueable(task_id, data))], self._now_ms(), backend)
+        return True
+
+    def requeue_all(self, backend: ResultBackend | None = None,
+                    report: Callable[[str, DeadLetterError | None], None] | None = None) -> int:
+        """Requeue every dead letter parked before this call, oldest first; returns how many.
+
+        Records that cannot be requeued stay in the queue; ``report`` is told of
+        each task id with None (requeued) or the error that kept it.
+        """
+        now_ms = self._now_ms()
+        requeued = kept = 0
+        while ids := self._parked_before(now_ms, skip=kept):
+            batch, outcomes = [], []
+            for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids)):
+                task_id = raw_id.decode()
+                try:
+                    batch.append((task_id, data, _requeueable(task_id, data)))
+                    outcomes.append((task_id, None))
+                except DeadLetterError as exc:
+                    kept += 1
+                    outcomes.append((task_id, exc))
+            self._send_back(batch, now_ms, backend)
+            requeued += len(batch)
+            if report:
+                for task_id, error in outcomes:
+                    report(task_id, error)
+        return requeued
+
+    def _parked_before(self, ms: int, skip: int) -> list[bytes]:
+        """Up to :data:`REQUEUE_CHUNK` task ids parked no later than ``ms``, oldest first, after ``skip``."""
+        return self.store.redis.zrange(self.keys[1], "-inf", ms, byscore=True, offset=skip, num=REQUEUE_CHUNK)
+
+    def _send_back(self, records: list[tuple[str, bytes, bytes]], now_ms: int,
+                   backend: ResultBackend | None) -> None:
+        """Forget results, schedule ``(task_id, record, envelope)`` due now, then drop the records.
+
+        Results go first: once scheduled, a poller and a worker may run the task
+        at once, and forgetting after that could drop the new result.  Records go
+        last, so a crash in between runs a task twice but never loses it; a record
+        replaced meanwhile (the rerun failed again) is kept.
+        """
+        if not records:
+            return
+        for task_id, _, _ in records:
+            _forget(backend, task_id)
+        self.store.schedule_many((task_id, now_ms, envelope) for task_id, _, envelope in records)
+        pipe = self.store.redis.pipeline(transaction=False)
+        for task_id, record, _ in records:
+            self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id, record], client=pipe)
+        pipe.execute()
+
+    def _now_ms(self) -> int:
+        """Redis' clock, the one pollers claim by, so "due now" is now for them too."""
+        seconds, micros = self.store.redis.time()
+        return seconds * 1000 + micros // 1000
+
+    # -- purge ---------------------------------------------------------------
+    def purge(self, task_id: str) -> bool:
+        """Drop one dead letter for good; False when there was none."""
+        return self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id]) == 1
+
+    def purge_all(self) -> int:
+        """Drop every dead letter (UNLINK: freed in the background); returns how many there were."""
+        return self._scripts["purge_dead_letters"](keys=self.keys)
+
+
+def _requeueable(task_id: str, data: bytes | None) -> bytes:
+    """The envelope bytes of a stored record, or :class:`DeadLetterError` saying why it cannot run again."""
+    if data is None:
+        raise DeadLetterError(f"dead letter {task_id} is indexed but has no record (purge it)")
+    try:
+        message = DeadLetter.decode(data).message
+    except DeadLetterError as exc:
+        raise DeadLetterError(f"dead letter {task_id} cannot be requeued: {exc}") from None
+    try:
+        envelope = Envelope.decode(message)
+    except EnvelopeError as exc:
+        raise DeadLetterError(f"dead letter {task_id} cannot be requeued: "
+                              f"its message is not a valid envelope ({exc})") from None
+    if envelope.task_id != task_id:
+        raise DeadLetterError(f"dead letter {task_id} cannot be requeued: its message is task {envelope.task_id}")
+    return message
+
+
+def _forget(backend: ResultBackend | None, task_id: str) -> None:
+    """Drop the task's stored result, so a once-per-task-id check does not skip the rerun."""
+    if backend is None:
+        return
+    try:
+        backend.forget(task_id)
+    except NotImplementedError:  # the app has no result backend: nothing is stored
+        pass

@@ -61,6 +61,8 @@ class Envelope:
         """Parse a framed envelope; raise :class:`EnvelopeError` naming what is wrong."""
         meta = decode_meta(data)
         body = data[data.index(b"\n") + 1:]
+        if not isinstance(meta.get("h"), dict):
+            raise EnvelopeError("envelope headers are not an object")
         try:
             return cls(task_id=meta["id"], queue=meta["q"], headers=meta["h"], body=body,
                        content_type=meta["ct"], content_encoding=meta["ce"],

@@ -36,6 +36,7 @@ def test_routing_key_defaults_to_queue():
     (b"no newline", "no meta line"),
     (b"{not json\nbody", "not JSON"),
     (b'{"id": "x"}\nbody', "lacks a task id or queue"),
+    (b'{"id": "x", "q": "c", "h": [1]}\nbody', "headers are not an object"),
     ("text", "must be bytes"),
 ])
 def test_bad_envelopes_are_named(data, words):

@@ -1,0 +1,252 @@
+"""The dead-letter queue's operator side on the real Redis: read, requeue, purge, and the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from celery_delayed import dlq as dlq_module
+from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
+from celery_delayed.store import DelayedStore
+from tasks import create_app
+
+from .support import ROOT, envelopes, environment
+from .test_poller import settings_for
+
+GARBAGE = b"\x80not an envelope"
+TRACEBACK = "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'tasks.demo.add'"
+
+
+@pytest.fixture
+def letters(overrides) -> DeadLetters:
+    return DeadLetters(DelayedStore(settings_for(overrides)))
+
+
+def park(letters: DeadLetters, n: int, prefix: str = "task") -> dict[str, bytes]:
+    """Park ``n`` valid ``tasks.demo.add`` messages as the worker would; task id -> message."""
+    parked = {}
+    for task_id, _, data in envelopes(n, "q", 0, prefix=prefix):
+        letters.add(DeadLetter(task_id=task_id, reason="unknown task 'tasks.demo.add'", source="worker",
+                               traceback=TRACEBACK, attempts=1, message=data))
+        parked[task_id] = data
+    return parked
+
+
+def park_garbage(letters: DeadLetters, task_id: str = "poison") -> None:
+    letters.add(DeadLetter(task_id=task_id, reason="undecodable stored message", source="poller", message=GARBAGE))
+
+
+def redis_now_ms(store: DelayedStore) -> int:
+    seconds, micros = store.redis.time()
+    return seconds * 1000 + micros // 1000
+
+
+class RecordingBackend:
+    """A result backend that notes each forget, and whether the store already held the task then."""
+
+    def __init__(self, store: DelayedStore) -> None:
+        self.store = store
+        self.forgotten: list[tuple[str, bool]] = []
+
+    def forget(self, task_id: str) -> None:
+        self.forgotten.append((task_id, self.store.get(task_id) is not None))
+
+
+def dlq(overrides: dict, *args: str, answer: str = "") -> subprocess.CompletedProcess:
+    """``celery -A tasks delayed dlq ARGS`` as an operator runs it, with ``answer`` on stdin."""
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tasks", "delayed", "dlq", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, input=answer,
+                          env={**environment(overrides), "COLUMNS": "200"})
+
+
+# -- the library ---------------------------------------------------------------
+def test_add_list_get_count(letters):
+    parked = park(letters, 3)
+    time.sleep(0.01)  # the index is by Redis time in ms: the garbage is the newest
+    park_garbage(letters)
+    assert letters.count() == 4
+    assert [x.task_id for x in letters.list()][0] == "poison"
+    assert {x.task_id for x in letters.list()} == {*parked, "poison"}
+    assert len(letters.list(limit=2)) == 2
+    got = letters.get("task-1")
+    assert (got.reason, got.source, got.traceback, got.attempts, got.message) == (
+        "unknown task 'tasks.demo.add'", "worker", TRACEBACK, 1, parked["task-1"])
+    assert abs(got.timestamp - time.time()) < 60
+    assert letters.get("nope") is None
+
+
+def test_requeue_schedules_the_same_id_and_bytes_due_now_then_drops_the_record(letters):
+    parked = park(letters, 2)
+    store = letters.store
+    backend = RecordingBackend(store)
+    before = redis_now_ms(store)
+    assert letters.requeue("task-0", backend) is True
+    entry = store.get("task-0")
+    assert entry["state"] == "scheduled" and entry["task"] == "tasks.demo.add"
+    assert before <= entry["due_ms"] <= redis_now_ms(store)
+    assert store.redis.hget(store.key(entry["partition"], "msg"), "task-0") == parked["task-0"]
+    assert backend.forgotten == [("task-0", False)]  # forgotten before it could run again
+    assert letters.get("task-0") is None and letters.count() == 1
+    assert letters.requeue("task-0", backend) is False  # gone: nothing more to do
+    assert letters.requeue("task-1") is True  # without a result backend
+
+
+def test_requeue_of_an_undecodable_message_raises_and_keeps_the_record(letters):
+    park_garbage(letters)
+    with pytest.raises(DeadLetterError, match="dead letter poison cannot be requeued: its message is not a valid"):
+        letters.requeue("poison")
+    assert letters.get("poison").message == GARBAGE
+    assert letters.store.get("poison") is None
+
+
+def test_requeue_refuses_a_message_of_another_task(letters):
+    (_, _, data), = envelopes(1, "q", 0)
+    letters.add(DeadLetter(task_id="topic:17", reason="dispatch failed", source="worker", message=data))
+    with pytest.raises(DeadLetterError, match="its message is task task-0"):
+        letters.requeue("topic:17")
+    assert letters.count() == 1 and letters.store.get("topic:17") is None
+
+
+def test_requeue_of_a_task_still_scheduled_keeps_its_entry_and_drops_the_record(letters):
+    park(letters, 1)
+    later = redis_now_ms(letters.store) + 3_600_000
+    letters.store.schedule_many(envelopes(1, "q", later))
+    assert letters.requeue("task-0")
+    assert letters.store.get("task-0")["due_ms"] == later
+    assert letters.count() == 0
+
+
+def test_requeue_keeps_a_newer_failure_parked_meanwhile(letters, monkeypatch):
+    parked = park(letters, 1)
+    schedule = letters.store.schedule_many
+
+    def schedule_and_fail_again(items):  # the rerun fails before requeue drops the record
+        added = schedule(items)
+        letters.add(DeadLetter(task_id="task-0", reason="failed again", source="worker", message=parked["task-0"]))
+        return added
+
+    monkeypatch.setattr(letters.store, "schedule_many", schedule_and_fail_again)
+    assert letters.requeue("task-0")
+    assert letters.get("task-0").reason == "failed again"
+
+
+def test_requeue_all_skips_what_cannot_run_and_reports_each(letters, monkeypatch):
+    monkeypatch.setattr(dlq_module, "REQUEUE_CHUNK", 2)  # several rounds, garbage between them
+    parked = park(letters, 3, prefix="a")
+    park_garbage(letters, "poison-1")
+    parked.update(park(letters, 2, prefix="b"))
+    park_garbage(letters, "poison-2")
+    reports: dict[str, DeadLetterError | None] = {}
+    backend = RecordingBackend(letters.store)
+    assert letters.requeue_all(backend, lambda task_id, error: reports.setdefault(task_id, error)) == 5
+    assert {t for t, e in reports.items() if e is None} == set(parked)
+    assert {t for t, e in reports.items() if e is not None} == {"poison-1", "poison-2"}
+    assert all(letters.store.get(t)["state"] == "scheduled" for t in parked)
+    assert {x.task_id for x in letters.list()} == {"poison-1", "poison-2"}
+    assert sorted(t for t, _ in backend.forgotten) == sorted(parked)
+    assert letters.requeue_all() == 0
+
+
+def test_purge_one_and_all(letters):
+    park(letters, 3)
+    park_garbage(letters)
+    assert letters.purge("poison") is True
+    assert letters.purge("poison") is False
+    assert letters.count() == 3 and letters.get("poison") is None
+    assert letters.purge_all() == 3
+    assert letters.count() == 0 and letters.store.redis.exists(*letters.keys) == 0
+    assert letters.purge_all() == 0
+
+
+# -- the CLI -------------------------------------------------------------------
+def test_cli_list_and_show(overrides, letters):
+    park(letters, 2)
+    time.sleep(0.01)
+    park_garbage(letters)
+
+    done = dlq(overrides, "list", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["task_id"], r["task"], r["source"]) for r in rows][0] == ("poison", "?", "poller")
+    assert {(r["task_id"], r["task"], r["attempts"]) for r in rows[1:]} == {
+        ("task-0", "tasks.demo.add", 1), ("task-1", "tasks.demo.add", 1)}
+    assert [r["task_id"] for r in json.loads(dlq(overrides, "list", "--json", "--limit", "1").stdout)] == ["poison"]
+
+    done = dlq(overrides, "list")
+    assert done.returncode == 0, done.stderr
+    assert "3 of 3 dead letters" in done.stdout
+    assert "task-0" in done.stdout and "tasks.demo.add" in done.stdout and "undecodable stored message" in done.stdout
+
+    done = dlq(overrides, "show", "task-1")
+    assert done.returncode == 0, done.stderr
+    assert "KeyError: 'tasks.demo.add'" in done.stdout and '"argsrepr": "(1, 1)"' in done.stdout
+    info = json.loads(dlq(overrides, "show", "task-1", "--json").stdout)
+    assert (info["traceback"], info["headers"]["task"], info["queue"]) == (TRACEBACK, "tasks.demo.add", "q")
+    info = json.loads(dlq(overrides, "show", "poison", "--json").stdout)
+    assert info["message_error"] == "envelope has no meta line" and info["headers"] is None
+
+    done = dlq(overrides, "show", "nope")
+    assert done.returncode == 1 and "no dead letter with task id nope" in done.stderr
+
+
+def test_cli_requeue(overrides, letters):
+    park(letters, 3)
+    park_garbage(letters)
+    done = dlq(overrides, "requeue", "task-0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "requeued task-0"
+    assert letters.store.get("task-0")["state"] == "scheduled" and letters.get("task-0") is None
+
+    for task_id, why in (("task-0", "no dead letter with task id task-0"),
+                         ("poison", "dead letter poison cannot be requeued: its message is not a valid envelope")):
+        done = dlq(overrides, "requeue", task_id)
+        assert done.returncode == 1 and why in done.stderr
+    assert letters.get("poison") is not None
+    assert dlq(overrides, "requeue", "task-1", "--all").returncode == 2
+    assert dlq(overrides, "requeue").returncode == 2
+
+    done = dlq(overrides, "requeue", "--all")
+    assert done.returncode == 1  # one record could not be requeued...
+    assert {"requeued task-1", "requeued task-2", "requeued 2 dead letters"} <= set(done.stdout.splitlines())
+    assert "1 dead letters could not be requeued" in done.stderr and "poison" in done.stderr
+    assert [x.task_id for x in letters.list()] == ["poison"]  # ...and stays
+    assert all(letters.store.get(t) for t in ("task-1", "task-2"))
+
+
+def test_cli_purge(overrides, letters):
+    park(letters, 3)
+    done = dlq(overrides, "purge", "task-0")
+    assert done.returncode == 0 and done.stdout.strip() == "purged task-0"
+    done = dlq(overrides, "purge", "task-0")
+    assert done.returncode == 1 and "no dead letter with task id task-0" in done.stderr
+
+    done = dlq(overrides, "purge", "--all", answer="n\n")
+    assert done.returncode == 1 and "Purge all 2 dead letters?" in done.stdout
+    assert letters.count() == 2
+    done = dlq(overrides, "purge", "--all", answer="y\n")
+    assert done.returncode == 0 and "purged 2 dead letters" in done.stdout
+    park(letters, 4)
+    done = dlq(overrides, "purge", "--all", "--yes")
+    assert done.returncode == 0 and done.stdout.strip() == "purged 4 dead letters"
+    assert letters.count() == 0
+
+
+# -- end to end ------------------------------------------------------------------
+def test_requeued_dead_letter_runs_on_a_worker(overrides, processes):
+    app = create_app(**overrides)
+    letters = DeadLetters(store_of(app))
+    *_, (task_id, _, data) = envelopes(4, overrides["task_default_queue"], 0, prefix=overrides["delayed_key_prefix"])
+    letters.add(DeadLetter(task_id=task_id, reason="unknown task 'tasks.demo.add'", source="worker", message=data))
+    app.backend.store_result(task_id, 999, "SUCCESS")  # an old result the rerun must not be mistaken for
+
+    done = dlq(overrides, "requeue", task_id)
+    assert done.returncode == 0, done.stderr
+    assert app.backend.get_task_meta(task_id)["status"] == "PENDING"
+    processes.poller()
+    processes.worker()
+    assert app.AsyncResult(task_id).get(timeout=60) == 6  # add(3, 3)
+    assert letters.count() == 0

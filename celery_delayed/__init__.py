@@ -16,6 +16,7 @@ from .client import DelayedAMQP, DelayedPublishError
 from .consumer import KafkaConsumerStep
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, EnvelopeError
+from .failures import park_failures
 from .settings import ConfigurationError, Settings
 from .store import DelayedStore, StoreUnavailable
 
@@ -39,6 +40,9 @@ def install(app: Celery) -> Celery:
     if KafkaConsumerStep not in app.steps["consumer"]:
         app.steps["consumer"].add(KafkaConsumerStep)
     metrics.register_app(app)
+    if not getattr(app, "_delayed_failures_parked", False):
+        park_failures(app)
+        app._delayed_failures_parked = True
     return app
 
 

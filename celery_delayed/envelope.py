@@ -13,6 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.compression import compress
+from kombu.serialization import dumps
+
 # Headers Celery fills that the worker does not need to run the task.  They
 # are dropped to keep each stored task small (see MEASURED.md: every byte of
 # a 10M-task store counts).  ``argsrepr``/``kwargsrepr`` stay: Flower shows them.
@@ -86,3 +89,18 @@ def decode_meta(data: bytes) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("q"), str) or not isinstance(meta.get("id"), str):
         raise EnvelopeError("envelope meta lacks a task id or queue")
     return meta
+
+
+def serialize(body: Any, serializer: str | None, compression: str | None,
+              headers: dict[str, Any]) -> tuple[bytes, str, str]:
+    """Serialize a task body exactly as kombu's producer would publish it.
+
+    Returns ``(data, content_type, content_encoding)``; when compressing, records
+    the method in ``headers["compression"]`` as kombu does.
+    """
+    content_type, content_encoding, data = dumps(body, serializer=serializer)
+    if isinstance(data, str):
+        data = data.encode(content_encoding or "utf-8")
+    if compression:
+        data, headers["compression"] = compress(data, compression)
+    return data, content_type, content_encoding

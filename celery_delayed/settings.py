@@ -66,6 +66,9 @@ class Settings:
     metrics_port: int = 0
     #: Kafka consumer group of the workers.
     consumer_group: str = "celery-delayed"
+    #: Park every task that fails for good (retries exhausted, or none allowed) in the
+    #: dead-letter queue, with its arguments, error and traceback, for requeueing.
+    dead_letter_failures: bool = True
     #: Lease of a worker's claim to run a task_id, in seconds; extended while the
     #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
     run_lease: float = 30.0
@@ -146,6 +149,7 @@ class Settings:
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
 _SECRET = re.compile(r"password|secret|key|token", re.I)
 
@@ -173,6 +177,12 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
+        if kind == "bool":
+            if isinstance(value, str) and value.lower() in _BOOLS:
+                return _BOOLS[value.lower()]
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError(value)

@@ -5,8 +5,10 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
+import redis
 
 from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
@@ -14,7 +16,7 @@ from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
 from celery_delayed.store import DelayedStore
 from tasks import create_app
 
-from .support import ROOT, envelopes, environment
+from .support import ROOT, envelopes, environment, wait_for
 from .test_poller import settings_for
 
 GARBAGE = b"\x80not an envelope"
@@ -250,3 +252,26 @@ def test_requeued_dead_letter_runs_on_a_worker(overrides, processes):
     processes.worker()
     assert app.AsyncResult(task_id).get(timeout=60) == 6  # add(3, 3)
     assert letters.count() == 0
+
+
+def test_task_failing_for_good_is_parked_and_requeue_runs_it_again(overrides, processes):
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    # flaky(run, failures=9, countdown=0.2) exhausts its 5 retries (the quick ones take Celery's normal path).
+    result = app.tasks["tasks.demo.flaky"].apply_async((run, 9, 0.2), countdown=1.5)
+    processes.poller()
+    processes.worker("w1")
+    letters = DeadLetters(app.amqp.delayed_store)
+    letter = wait_for(lambda: letters.get(result.id), 90, "the failed task in the dead-letter queue")
+    assert letter.source == "worker" and letter.attempts == 6
+    assert "RuntimeError: attempt 6 failed" in letter.reason and "Traceback" in letter.traceback
+    described = letter.describe()
+    assert described["task"] == "tasks.demo.flaky" and described["queue"] == overrides["task_default_queue"]
+    assert described["headers"]["retries"] == 5
+
+    # Requeued as it last ran (retries exhausted): it runs once more under the same id, fails, and is parked again.
+    assert letters.requeue(result.id, app.backend)
+    wait_for(lambda: (lambda d: d is not None and d.timestamp > letter.timestamp)(letters.get(result.id)),
+             90, "the requeued task to run (and fail) again under the same id")
+    runs = redis.Redis.from_url(app.conf.delayed_redis_url).hget(f"demo:{run}:runs", result.id)
+    assert int(runs) == 7

@@ -69,3 +69,10 @@ def test_kafka_config_passes_through_and_topic_names():
     assert s.kafka(**{"group.id": "g"}) == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "SSL",
                                            "group.id": "g"}
     assert s.topic("emails") == "p.emails"
+
+
+def test_booleans_from_the_environment():
+    assert Settings.from_mapping({"dead_letter_failures": "false"}).dead_letter_failures is False
+    assert Settings.from_mapping({"dead_letter_failures": "YES"}).dead_letter_failures is True
+    with pytest.raises(ConfigurationError, match="delayed_dead_letter_failures must be bool"):
+        Settings.from_mapping({"dead_letter_failures": "maybe"})

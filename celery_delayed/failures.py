@@ -1,0 +1,51 @@
+"""Tasks that fail for good are parked in the dead-letter queue, ready to be requeued.
+
+"For good" is Celery's own verdict: the ``task_failure`` signal fires once a
+task's retries are exhausted (or when it allows none), never for a retry.  The
+handler runs where the task ran (a pool child under prefork) and rebuilds the
+task's message as Celery would publish it, with the same task id, so
+``celery delayed dlq requeue`` can run it again unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, Task, signals
+
+from .dlq import DeadLetter, DeadLetters
+from .envelope import Envelope, serialize
+
+logger = logging.getLogger(__name__)
+
+
+def park_failures(app: Celery) -> None:
+    """Connect the ``task_failure`` handler for ``app``'s tasks."""
+
+    def on_failure(sender: Task | None = None, task_id: str | None = None, exception: BaseException | None = None,
+                   args: Any = None, kwargs: Any = None, einfo: Any = None, **_: Any) -> None:
+        if sender is None or sender.app is not app or not app.amqp.delayed_settings.dead_letter_failures:
+            return
+        try:
+            letter = DeadLetter(task_id=task_id, reason=f"{type(exception).__name__}: {exception}",
+                                source="worker", traceback=str(einfo or ""),
+                                attempts=(sender.request.retries or 0) + 1,
+                                message=_envelope(sender, task_id, args or (), kwargs or {}))
+            DeadLetters(app.amqp.delayed_store).add(letter)
+        except Exception:  # the failure itself is already recorded by Celery; never mask it
+            logger.exception("could not park failed task %s in the dead-letter queue", task_id)
+
+    signals.task_failure.connect(on_failure, weak=False)
+
+
+def _envelope(task: Task, task_id: str, args: Any, kwargs: Any) -> bytes:
+    """The failed task's message, rebuilt as Celery builds it (same id, args and lineage)."""
+    request = task.request
+    queue = (request.delivery_info or {}).get("routing_key") or task.app.conf.task_default_queue
+    headers, properties, body, _ = task.app.amqp.create_task_message(
+        task_id, task.name, list(args), dict(kwargs), retries=request.retries or 0, root_id=request.root_id,
+        parent_id=request.parent_id, group_id=request.group, reply_to=request.reply_to or "")
+    data, content_type, content_encoding = serialize(body, task.serializer, None, headers)
+    return Envelope(task_id=task_id, queue=queue, headers=headers, body=data, content_type=content_type,
+                    content_encoding=content_encoding,
+                    properties={k: v for k, v in properties.items() if v not in (None, "")}).encode()

@@ -7,7 +7,8 @@ which is how docker/ and the tests configure the same project.
 import os
 
 broker_url = "redis://127.0.0.1:6379/1"
-result_backend = "redis://127.0.0.1:6379/2"
+# celery-delayed's Redis result backend: the first terminal result of a task id is final
+result_backend = "celery_delayed.backend:RedisBackend+redis://127.0.0.1:6379/2"
 result_extended = True          # results record the worker that ran them
 task_acks_late = True           # a task's Kafka offset settles when it ends...
 task_reject_on_worker_lost = True  # ...and a killed pool child's task runs again

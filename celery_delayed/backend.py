@@ -1,0 +1,31 @@
+"""A Redis result backend where the first terminal result of a task id is final.
+
+Celery's own Redis backend skips a write after SUCCESS with a read-then-write,
+which two copies of a task racing can both pass.  Here one Lua script checks
+and writes atomically, and also keeps FAILURE and REVOKED.  Enable it with::
+
+    result_backend = "celery_delayed.backend:RedisBackend+redis://127.0.0.1:6379/2"
+
+Results must use the JSON serializer (Celery's default) for the check; with
+another ``result_serializer`` it behaves as Celery's backend does.
+"""
+from __future__ import annotations
+
+from celery.backends.redis import RedisBackend as CeleryRedisBackend
+from kombu.utils.objects import cached_property
+
+from .store import DelayedStore
+
+
+class RedisBackend(CeleryRedisBackend):
+    """Celery's Redis backend with atomic first-terminal-result-wins writes."""
+
+    @cached_property
+    def _store_once(self):
+        return self.client.register_script(DelayedStore.lua_source("store_result"))
+
+    def _set(self, key, value, expires=None):
+        if self.serializer != "json":
+            return super()._set(key, value, expires)
+        expires = self.expires if expires is None else expires
+        self._store_once(keys=[key], args=[value, int(expires or 0)])

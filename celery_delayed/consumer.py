@@ -14,10 +14,11 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections import deque
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.app.amqp import AMQP
 from confluent_kafka import Consumer, TopicPartition
 from kombu.message import Message
@@ -40,6 +41,17 @@ COMMIT_INTERVAL = 0.5
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0
+#: Longest a stopped feed keeps committing for tasks still in hand (s).
+DRAIN_TIMEOUT = 60.0
+
+#: Feeds whose thread still runs, closed for good on ``worker_shutdown``.
+_feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
+
+
+@signals.worker_shutdown.connect
+def _close_feeds(**_: Any) -> None:
+    for feed in list(_feeds):
+        feed.close()
 
 
 class KafkaConsumerStep(bootsteps.StartStopStep):
@@ -84,6 +96,8 @@ class KafkaFeed:
         self._ready_lock = threading.Lock()
         self._scheduled = False
         self._running = threading.Event()
+        self._reading = threading.Event()
+        self._drain_until = 0.0
         self._room = threading.Event()  # set when a settle frees a prefetch slot
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
@@ -103,11 +117,26 @@ class KafkaFeed:
         self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
                                  on_assign=self._on_assign, on_revoke=self._on_revoke)
         self._running.set()
+        self._reading.set()
+        _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
         self._thread.start()
         logger.info("consuming Kafka topics %s", [self.settings.topic(q) for q in self.queues])
 
     def stop(self) -> None:
+        """Stop reading, but keep committing while tasks in hand finish.
+
+        On a warm shutdown Celery stops this step before its pool, so the
+        tasks in hand settle afterwards: the thread commits their offsets as
+        they do, and closes once none is left, after ``DRAIN_TIMEOUT``, or on
+        ``worker_shutdown`` (sent after the pool stopped), whichever is first.
+        """
+        self._drain_until = time.monotonic() + DRAIN_TIMEOUT
+        self._reading.clear()
+        self._room.set()
+
+    def close(self) -> None:
+        """Commit what is settled and leave the consumer group now."""
         self._running.clear()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -120,7 +149,12 @@ class KafkaFeed:
         try:
             while self._running.is_set():
                 room = self._max_unsettled() - self.offsets.outstanding()
-                if room <= 0:
+                if not self._reading.is_set():
+                    if not self.offsets.outstanding() or time.monotonic() > self._drain_until:
+                        break
+                    consumer.pause(consumer.assignment())
+                    consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
+                elif room <= 0:
                     # Hold off reading while the worker holds its prefetch limit.  Pausing
                     # the partitions would cost ~1 s of fetch latency on resume, so only
                     # pause when full for long, to keep group membership alive meanwhile.
@@ -146,6 +180,7 @@ class KafkaFeed:
         finally:
             self._commit(self.offsets.committable())
             consumer.close()
+            _feeds.discard(self)
 
     def _read(self, consumer: Consumer, room: int) -> None:
         accepted = []
@@ -189,7 +224,8 @@ class KafkaFeed:
         """On the loop thread: give every waiting record to Celery, in order."""
         while True:
             with self._ready_lock:
-                if not self._ready:
+                if not self._ready or not self._reading.is_set():  # stopped: left for redelivery
+                    self._ready.clear()
                     self._scheduled = False
                     return
                 record, partition = self._ready.popleft()

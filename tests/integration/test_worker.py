@@ -6,6 +6,7 @@ import signal
 import time
 import uuid
 
+import pytest
 import redis
 from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -133,3 +134,27 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     assert garbage.source == "worker" and "dispatch failed" in garbage.reason
     nope = wait_for(lambda: letters.get(unknown.id), 20, "the unknown task in the dead-letter queue")
     assert "unknown task 'tasks.demo.nope'" in nope.reason
+
+
+def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, processes):
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    running = [due_in(app, "tasks.demo.work", (run, 4.0)) for _ in range(2)]
+    processes.poller()
+    worker = processes.worker("w1", "-c", "2")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 2, 60, "both tasks to start")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    assert all(x.get(timeout=5) for x in running)  # they finished during the warm shutdown
+    assert committed(app) == 2, "the tasks that ran to the end were not committed"
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_other_pools_run_kafka_fed_tasks(overrides, processes, pool):
+    app = create_app(**overrides)
+    results = [due_in(app, "tasks.demo.add", (i, i)) for i in range(20)]
+    processes.poller()
+    processes.worker("w1", "--pool", pool, "-c", "2")
+    assert [x.get(timeout=60) for x in results] == [2 * i for i in range(20)]

@@ -71,7 +71,7 @@ class Settings:
     dead_letter_failures: bool = True
     #: Lease of a worker's claim to run a task_id, in seconds; extended while the
     #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
-    run_lease: float = 30.0
+    run_lease: float = 15.0
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":

@@ -158,3 +158,34 @@ def test_other_pools_run_kafka_fed_tasks(overrides, processes, pool):
     processes.poller()
     processes.worker("w1", "--pool", pool, "-c", "2")
     assert [x.get(timeout=60) for x in results] == [2 * i for i in range(20)]
+
+
+def test_rebalance_to_a_second_worker_loses_nothing(overrides, processes):
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    results = [due_in(app, "tasks.demo.work", (run, 0.05), seconds=1.5 + i / 100) for i in range(300)]
+    processes.poller()
+    processes.worker("w1", "-c", "2")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") >= 30, 60, "the first worker to get going")
+    processes.worker("w2", "-c", "2")  # joins the group: partitions move while tasks are in hand
+    assert {x.get(timeout=120) for x in results} == {x.id for x in results}
+    workers = {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in results}
+    print(f"\nrebalance: 300 tasks, {sum(int(v) for v in r.hvals(f'demo:{run}:runs'))} executions, "
+          f"ran on {sorted(workers)}")
+    assert workers == {"w1", "w2"}
+
+
+def test_broker_connection_loss_does_not_drop_kafka_fed_tasks(overrides, processes):
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    results = [due_in(app, "tasks.demo.work", (run, 0.2), seconds=1.5) for _ in range(60)]
+    processes.poller()
+    worker = processes.worker("w1", "-c", "2")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") >= 6, 60, "tasks to start")
+    # Cut every client connection but ours: the worker's broker connection drops, Celery
+    # restarts its consumer and clears the requests it had reserved from Kafka.
+    r.client_kill_filter(_type="normal", skipme=True)
+    assert {x.get(timeout=120) for x in results} == {x.id for x in results}
+    assert "Connection to broker lost" in processes.log(worker)

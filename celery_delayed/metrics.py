@@ -47,6 +47,10 @@ class StoreCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from families
+        try:
+            yield from list(self._lag())
+        except Exception as exc:  # Kafka down: the store figures still count
+            logger.warning("Kafka consumer lag unavailable: %s", exc)
 
     @staticmethod
     def _families(store) -> Iterator[GaugeMetricFamily]:
@@ -69,6 +73,15 @@ class StoreCollector(Collector):
         dead = GaugeMetricFamily("celery_delayed_dead_letters", "Messages in the dead-letter queue")
         dead.add_metric([], DeadLetters(store).count())
         yield from (scheduled, inflight, overdue_age, overdue, dead)
+
+    def _lag(self) -> Iterator[GaugeMetricFamily]:
+        from .kafka import consumer_lag
+
+        lag = GaugeMetricFamily("celery_delayed_consumer_lag", "Records on a queue's topic the workers have not "
+                                "committed yet", labels=["queue"])
+        for queue, records in sorted(consumer_lag(self.app.amqp.delayed_settings).items()):
+            lag.add_metric([queue], records)
+        yield lag
 
 
 _collector: StoreCollector | None = None

@@ -52,7 +52,10 @@ def test_flower_lists_kafka_fed_tasks_workers_and_store_metrics(overrides, proce
     assert tasks[result.id]["name"] == "tasks.demo.add" and tasks[result.id]["args"] == "(5, 6)"
     workers = wait_for(lambda: http_json(f"{base}/api/workers?refresh=1"), 30, "Flower to list workers")
     assert any(name.startswith("w1@") for name in workers)
-    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+    lag_line = f'celery_delayed_consumer_lag{{queue="{overrides["task_default_queue"]}"}} 0.0'
+    metrics = wait_for(lambda: (lambda m: m if lag_line in m else None)(
+        urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()), 30,
+        "Flower's /metrics to show the queue's consumer lag back at 0")
     assert "celery_delayed_store_up 1.0" in metrics
     scheduled = sum(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("celery_delayed_scheduled{"))

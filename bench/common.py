@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import redis
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed.leadership import make_etcd
@@ -99,7 +100,7 @@ def topic_partitions(settings: Settings, topic: str, timeout: float = 10.0) -> l
 def make_consumer(settings: Settings) -> Consumer:
     """A consumer that only assigns partitions (no subscription, no committed offsets)."""
     return Consumer(settings.kafka(**{"group.id": f"bench-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
-                                      "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10,
+                                      "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100,
                                       "enable.partition.eof": False}))
 
 
@@ -109,15 +110,17 @@ def high_watermark(consumer: Consumer, topic: str, partitions: Sequence[int]) ->
                for p in partitions)
 
 
-def delete_topics(settings: Settings, topics: Sequence[str]) -> None:
-    """Delete Kafka topics, ignoring the ones that do not exist."""
+def delete_topics(settings: Settings, topics: Sequence[str], timeout: float = 30.0) -> None:
+    """Delete Kafka topics; one that does not exist is fine, any other failure is raised."""
     if not topics:
         return
-    for future in AdminClient(settings.kafka()).delete_topics(list(topics), operation_timeout=30).values():
+    admin = AdminClient(settings.kafka())  # keep a reference until the futures resolve
+    for future in admin.delete_topics(list(topics), operation_timeout=timeout, request_timeout=timeout).values():
         try:
             future.result()
-        except KafkaException:
-            pass
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise
 
 
 # -- Redis / etcd ----------------------------------------------------------------
@@ -145,6 +148,125 @@ def cleanup(settings: Settings, topics: Sequence[str]) -> None:
     delete_topics(settings, topics)
 
 
+# -- CPU accounting (Linux /proc) --------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+#: How to recognise the local servers' processes by their command line.
+SERVICES = {"redis": ("redis-server", ":6379"), "kafka": ("java", "kafka.Kafka"),
+            "etcd": ("etcd", "--listen-client-urls")}
+
+
+def service_pids() -> dict[str, int]:
+    """PIDs of the local Redis, Kafka and etcd servers (read-only scan of /proc)."""
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for name, (exe, marker) in SERVICES.items():
+            if name not in found and exe in cmd.split(" ", 1)[0] and marker in cmd:
+                found[name] = int(entry.name)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by ``pid`` (all its threads); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, over all cores."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values) - idle) / _TICK, sum(values) / _TICK
+
+
+class CpuMeter:
+    """CPU used by named processes and by the whole machine between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._start: dict[str, float] = {}
+        self._machine: tuple[float, float] = (0.0, 0.0)
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = time.monotonic()
+        self._start = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self._machine = machine_cpu()
+
+    def add(self, name: str, pid: int) -> None:
+        """Also meter a process started after :meth:`start` (counted from zero)."""
+        self.pids[name] = pid
+        self._start[name] = 0.0
+
+    def stop(self) -> dict[str, float]:
+        """Cores used on average by each process, ``machine`` busy cores, ``others`` the rest of it."""
+        wall = max(time.monotonic() - self._t, 1e-6)
+        used = {name: round((cpu_seconds(pid) - self._start.get(name, 0.0)) / wall, 2)
+                for name, pid in self.pids.items()}
+        busy, total = machine_cpu()
+        used["machine"] = round((busy - self._machine[0]) / wall, 2)
+        used["others"] = round(used["machine"] - sum(v for k, v in used.items() if k != "machine"), 2)
+        used["cores"] = round((total - self._machine[1]) / wall, 2)
+        return used
+
+    def restarted(self) -> list[str]:
+        """Local servers whose process changed since this meter was made (restarted under the benchmark)."""
+        now = service_pids()
+        return sorted(name for name in SERVICES if name in self.pids and now.get(name) != self.pids[name])
+
+
+class RedisMeter:
+    """Redis-wide command counts between :meth:`start` and :meth:`stop` (other clients included)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._start: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        stats = self.client.info("commandstats")
+        evalsha = stats.get("cmdstat_evalsha", {})
+        return {"commands": float(self.client.info("stats")["total_commands_processed"]),
+                "evalsha": float(evalsha.get("calls", 0)), "evalsha_usec": float(evalsha.get("usec", 0))}
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> dict[str, float]:
+        end = self._read()
+        return {k: end[k] - self._start.get(k, 0.0) for k in end}
+
+
+def start_py_spy(pid: int, out: Path) -> subprocess.Popen | None:
+    """``py-spy record`` of ``pid`` into ``out`` (raw collapsed stacks), if py-spy is installed."""
+    if not shutil.which("py-spy"):
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--nonblocking",
+                             "--format", "raw", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_py_spy(spies: Sequence[subprocess.Popen | None], timeout: float = 20.0) -> None:
+    """SIGINT each recorder (py-spy writes its file then), SIGKILL after ``timeout``."""
+    live = [spy for spy in spies if spy is not None]
+    for spy in live:
+        if spy.poll() is None:
+            spy.send_signal(signal.SIGINT)
+    for spy in live:
+        try:
+            spy.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            spy.wait()
+
+
 # -- statistics and plots ------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in 0..1) of ``values``; NaN when empty."""
@@ -162,30 +284,54 @@ def summary(values: Sequence[float]) -> dict[str, float]:
             "p999": percentile(ordered, 0.999), "max": float(ordered[-1]) if ordered else math.nan}
 
 
-def plot_lags(series: dict[str, Sequence[float]], path: Path, title: str) -> Path:
-    """Histogram and CDF of each named lag series (ms) into a PNG at ``path``."""
+def plot_lags(series: dict[str, Sequence[tuple[float, float]]], path: Path, title: str) -> Path:
+    """Histogram, CDF and timeline of each named series of ``(seconds since first due, lag ms)`` into a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (hist, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, values in series.items():
-        ordered = sorted(values)
+    fig, (hist, cdf, timeline) = plt.subplots(1, 3, figsize=(17, 4.8))
+    lags = [lag for points in series.values() for _, lag in points]
+    low, high = (min(lags), max(lags)) if lags else (0, 1)
+    step = max(1, math.ceil((high - low + 1) / 100))  # lags are whole ms: bins on whole ms
+    bins = [low + i * step for i in range(int((high - low) // step) + 2)]
+    for label, points in sorted(series.items(), key=lambda kv: -len(kv[1])):  # biggest first, smaller on top
+        ordered = sorted(lag for _, lag in points)
         if not ordered:
             continue
-        hist.hist(ordered, bins=80, histtype="step", linewidth=1.5, label=label)
+        hist.hist(ordered, bins=bins, histtype="step", linewidth=1.5, label=label)
         cdf.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+        timeline.plot([t for t, _ in points], [lag for _, lag in points], ".", markersize=1.5, alpha=0.5,
+                      label=label)
     hist.set_xlabel("lag: Kafka CreateTime - due time (ms)")
     hist.set_ylabel("tasks")
     hist.set_yscale("log")
     cdf.set_xlabel("lag (ms)")
     cdf.set_ylabel("fraction of tasks")
     cdf.set_ylim(0, 1.01)
-    cdf.grid(alpha=0.3)
-    for ax in (hist, cdf):
-        ax.legend()
+    timeline.set_xlabel("due time, seconds since the first task")
+    timeline.set_ylabel("lag (ms)")
+    for ax in (hist, cdf, timeline):
+        ax.grid(alpha=0.3)
+        ax.legend(markerscale=6)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def profile_top(raw: Path, top: int = 25) -> list[tuple[float, str]]:
+    """Frames of a ``py-spy record --format raw`` file by inclusive share of the samples."""
+    total = 0
+    inclusive: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        for frame in set(stack.split(";")):
+            inclusive[frame] = inclusive.get(frame, 0) + n
+    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]
+    return [(round(n / total, 3), frame) for frame, n in ranked] if total else []

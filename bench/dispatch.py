@@ -15,21 +15,23 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from datetime import datetime, timezone
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Iterator
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+import redis
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from celery_delayed.envelope import Envelope
@@ -37,10 +39,11 @@ from celery_delayed.kafka import ensure_topics
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, partition_of
 
-from .common import (RESULTS, Processes, cleanup, high_watermark, make_consumer, new_overrides, plot_lags,
-                     settings_of, summary, topic_partitions)
+from .common import (RESULTS, CpuMeter, Processes, RedisMeter, cleanup, high_watermark, make_consumer,
+                     new_overrides, plot_lags, profile_top, service_pids, settings_of, start_py_spy, stop_py_spy,
+                     summary, topic_partitions)
 
-console = Console()
+console = Console(width=None if Console().is_terminal else 150)
 #: MEASURED.md: Lua claim end to end into Python, ~125k tasks/s at 100k tasks in the set.
 CLAIM_CEILING = 125_000
 LEAD_S = 2.0  # how far in the future the lag scenario's tasks are due
@@ -69,7 +72,7 @@ def capture_template(partitions: int) -> Envelope:
     try:
         result = app.tasks["tasks.demo.add"].apply_async((2, 2), countdown=3600)
         data = store.redis.hget(store.key(store.partition(result.id), "msg"), result.id)
-        if data is None:
+        if not isinstance(data, bytes):
             raise RuntimeError("the captured countdown task is not in the delayed store")
         store.cancel(result.id)
         return Envelope.decode(data)
@@ -89,6 +92,11 @@ def envelope_bytes(template: Envelope, queue: str, task_id: str, due_ms: int) ->
 
 
 # -- reading the topic -------------------------------------------------------------
+def key_of(record: Message) -> str:
+    """A record's key (the task id) as text."""
+    return (record.key() or b"").decode()
+
+
 def assign_from_start(consumer: Consumer, topic: str, partitions: list[int]) -> None:
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
 
@@ -104,7 +112,7 @@ def read_all(consumer: Consumer, topic: str, partitions: list[int], total: int,
             if record.error():
                 continue
             seen += 1
-            yield record.key().decode(), record.timestamp()[1]
+            yield key_of(record), record.timestamp()[1]
 
 
 # -- poller logs -------------------------------------------------------------------
@@ -134,7 +142,8 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
     topic = settings.topic(queue)
     store = DelayedStore(settings)
     consumer = make_consumer(settings)
-    spy: subprocess.Popen | None = None
+    spies: list[subprocess.Popen | None] = []
+    spy_files: list[str] = []
     try:
         ensure_topics(settings, [queue])
         parts = topic_partitions(settings, topic)
@@ -151,15 +160,21 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         msg_bytes = sum(store.redis.memory_usage(store.key(p, "msg")) or 0 for p in range(settings.partitions))
 
         job = progress.add_task(f"{pollers} poller(s): dispatch", total=n)
+        meter = CpuMeter({**service_pids(), "bench": os.getpid()})
+        calls = RedisMeter(store.redis)
+        meter.start()
+        calls.start()
         t0 = time.time()
         started = [procs.poller(overrides, f"throughput-{pollers}p-{k}") for k in range(pollers)]
-        if py_spy and shutil.which("py-spy"):
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(started[0].pid), "--rate", "200",
-                                    "--nonblocking", "--format", "raw", "-o",
-                                    str(procs.logdir / f"py-spy-throughput-{pollers}p.txt")],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        for k, proc in enumerate(started):
+            meter.add(f"poller-{k}", proc.pid)
+        if py_spy:
+            spy_files = [str(procs.logdir / f"py-spy-throughput-{pollers}p-{k}.txt") for k in range(pollers)]
+            spies = [start_py_spy(proc.pid, Path(out)) for proc, out in zip(started, spy_files)]
         deadline = t0 + 60 + n / 1000
-        on_topic, t_all_on_topic, t_done = 0, None, None
+        on_topic, t_all_on_topic, t_done = 0, 0.0, None
+        cpu: dict[str, float] = {}
+        redis_calls: dict[str, float] = {}
         while time.time() < deadline:
             procs.check_alive()
             on_topic = high_watermark(consumer, topic, parts)
@@ -168,6 +183,8 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
                 t_all_on_topic = t_all_on_topic or time.time()
                 if all(r["scheduled"] == 0 and r["inflight"] == 0 for r in store.counts()):
                     t_done = time.time()
+                    cpu = meter.stop()
+                    redis_calls = calls.stop()
                     break
             time.sleep(0.05)
         if t_done is None:
@@ -196,18 +213,15 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
                 "wall_s": round(wall, 3), "per_s_wall": round(n / wall),
                 "all_on_topic_s": round(t_all_on_topic - t0, 3),
                 "first_record_s": round((first_ms or 0) / 1000 - t0, 3), "dispatch_s": round(dispatch_s, 3),
-                "per_s_dispatch": round(n / dispatch_s), "records": records, "lost": lost,
+                "per_s_dispatch": round(n / dispatch_s), "cpu_cores": cpu, "redis_calls": redis_calls,
+                "evalsha_per_task": round(redis_calls["evalsha"] / n, 3), "restarted": meter.restarted(),
+                "records": records, "lost": lost,
                 "duplicates": records - len(keys), "msg_left_in_store": leftover,
                 "leadership": [c for log in logs for c in leadership_changes(log, t0)],
+                "py_spy": spy_files,
                 "logs": [str(log) for log in logs]}
     finally:
-        if spy is not None and spy.poll() is None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
-            try:
-                spy.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                spy.kill()
-                spy.wait()
+        stop_py_spy(spies)
         procs.stop_all()
         consumer.close()
         cleanup(settings, [topic])
@@ -215,18 +229,22 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
 
 # -- scenario 2: lag at a fixed rate --------------------------------------------------------
 def schedule_at_rate(settings_map: dict[str, Any], template: Envelope, queue: str, rate: int, duration: float,
-                     start: float, out: "mp.Queue[Any]") -> None:
+                     out: "mp.Queue[Any]") -> None:
     """Child process: schedule ``rate`` tasks/s for ``duration`` s, task i due at ``start + LEAD_S + i/rate``.
+
+    ``start`` is taken once the child is connected to Redis, so its start-up is not counted as lateness.
 
     Sends each batch's ``[(task_id, due_ms), ...]`` to ``out`` before storing it, then
     ``("done", stats)``.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this ends
     store = DelayedStore(Settings.from_mapping(settings_map))
+    store.redis.ping()
+    envelope_bytes(template, queue, str(uuid.uuid4()), 0)  # warm the encoder before the clock starts
     total = int(rate * duration)
-    done, min_headroom_ms, max_behind_ms = 0, float("inf"), 0.0
-    while time.time() < start:
-        time.sleep(0.001)
+    done, min_headroom_ms = 0, float("inf")
+    behind_ms: list[float] = []
+    start = time.time()
     while done < total:
         now = time.time()
         target = min(total, int((now - start) * rate) + 1)
@@ -239,12 +257,13 @@ def schedule_at_rate(settings_map: dict[str, Any], template: Envelope, queue: st
             out.put([(tid, due_ms) for tid, due_ms, _ in batch])
             store.schedule_many(batch)
             stored_ms = time.time() * 1000
-            max_behind_ms = max(max_behind_ms, now * 1000 - (start + done / rate) * 1000)
+            behind_ms.append(now * 1000 - (start + done / rate) * 1000)
             min_headroom_ms = min(min_headroom_ms, batch[0][1] - stored_ms)
             done = target
         time.sleep(0.005)
     out.put(("done", {"scheduled": done, "elapsed_s": time.time() - start,
-                      "max_behind_ms": round(max_behind_ms, 1), "min_headroom_ms": round(min_headroom_ms, 1)}))
+                      "batches": len(behind_ms), "behind_ms": summary(behind_ms),
+                      "min_headroom_ms": round(min_headroom_ms, 1)}))
 
 
 def warm_up(settings: Settings, template: Envelope, queue: str, consumer: Consumer, procs: Processes,
@@ -263,13 +282,14 @@ def warm_up(settings: Settings, template: Envelope, queue: str, consumer: Consum
         procs.check_alive()
         for record in consumer.consume(num_messages=100, timeout=0.2):
             if not record.error():
-                waiting.discard(record.key().decode())
+                waiting.discard(key_of(record))
     if waiting:
         raise RuntimeError(f"warm-up: {len(waiting)} partition(s) not dispatched after {timeout:.0f} s")
     return time.time() - t0
 
 
-def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progress: Progress) -> dict[str, Any]:
+def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progress: Progress,
+        py_spy: bool) -> dict[str, Any]:
     """One poller; tasks scheduled at ``rate``/s for ``profile.duration`` s; lag of every record."""
     overrides = new_overrides(profile.partitions)
     settings = settings_of(overrides)
@@ -278,29 +298,53 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
     consumer = make_consumer(settings)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    scheduler: mp.Process | None = None
+    scheduler: BaseProcess | None = None
+    spy: subprocess.Popen | None = None
+    spy_file = procs.logdir / f"py-spy-lag-{rate}.txt"
     try:
         ensure_topics(settings, [queue])
         assign_from_start(consumer, topic, topic_partitions(settings, topic))
-        procs.poller(overrides, f"lag-{rate}")
+        poller = procs.poller(overrides, f"lag-{rate}")
         warm_s = warm_up(settings, template, queue, consumer, procs)
+        if py_spy:
+            spy = start_py_spy(poller.pid, spy_file)
 
         total = int(rate * profile.duration)
         job = progress.add_task(f"lag @ {rate}/s: delivered", total=total)
-        start = time.time() + 0.5
         settings_map = {k[len("delayed_"):]: v for k, v in overrides.items() if k.startswith("delayed_")}
-        scheduler = ctx.Process(target=schedule_at_rate, name=f"scheduler-{rate}", daemon=True,
-                                args=(settings_map, template, queue, rate, profile.duration, start, out))
-        scheduler.start()
+        scheduler = child = ctx.Process(target=schedule_at_rate, name=f"scheduler-{rate}", daemon=True,
+                                        args=(settings_map, template, queue, rate, profile.duration, out))
+        child.start()
+        meter = CpuMeter({**service_pids(), "bench": os.getpid(), "poller": poller.pid,
+                          "scheduler": child.pid or 0})
+        calls = RedisMeter(redis.Redis.from_url(settings.redis_url))
+        redis_calls: dict[str, float] = {}
+        cpu: dict[str, float] | None = None
         due: dict[str, int] = {}
         seen: dict[str, list[tuple[int, int]]] = {}  # task id -> [(CreateTime ms, received ms)]
         stats: dict[str, Any] | None = None
-        deadline = start + profile.duration + LEAD_S + 60
+        delivered = 0  # scheduled ids seen on the topic, each counted once
+
+        def take(records: list) -> None:
+            nonlocal delivered
+            now_ms = int(time.time() * 1000)
+            for record in records:
+                if record.error():
+                    continue
+                tid = key_of(record)
+                if tid not in seen and tid in due:
+                    delivered += 1
+                    if delivered == 1:  # meter CPU and Redis calls over the dispatch window
+                        meter.start()
+                        calls.start()
+                seen.setdefault(tid, []).append((record.timestamp()[1], now_ms))
+
+        deadline = time.time() + profile.duration + LEAD_S + 60
+        next_check = 0.0
         while time.time() < deadline:
-            for record in consumer.consume(num_messages=1000, timeout=0.1):
-                if not record.error():
-                    seen.setdefault(record.key().decode(), []).append(
-                        (record.timestamp()[1], int(time.time() * 1000)))
+            # consume() waits for the whole batch or the timeout: keep the timeout short, so the
+            # receive time (for the "seen" lag) is not held back by the batching.
+            take(consumer.consume(num_messages=1000, timeout=0.005))
             while True:
                 try:
                     item = out.get_nowait()
@@ -308,28 +352,37 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
                     break
                 if isinstance(item, tuple) and item[0] == "done":
                     stats = item[1]
-                else:
-                    due.update(item)
-            delivered = sum(1 for tid in due if tid in seen) if stats else len(seen)
-            progress.update(job, completed=min(delivered, total))
+                    continue
+                for tid, due_ms in item:
+                    due[tid] = due_ms
+                    delivered += tid in seen
             if stats is not None and delivered >= len(due):
+                cpu, redis_calls = meter.stop(), calls.stop()
                 break
-            procs.check_alive()
-            if stats is None and not scheduler.is_alive() and out.empty():
-                raise RuntimeError(f"the scheduler process exited with {scheduler.exitcode}")
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.2
+                progress.update(job, completed=min(delivered, total))
+                procs.check_alive()
+                if stats is None and not child.is_alive() and out.empty():
+                    raise RuntimeError(f"the scheduler process exited with {child.exitcode}")
+        progress.update(job, completed=min(delivered, total))
         time.sleep(0.5)  # let a late duplicate land before counting
-        for record in consumer.consume(num_messages=10_000, timeout=0.5):
-            if not record.error():
-                seen.setdefault(record.key().decode(), []).append((record.timestamp()[1], int(time.time() * 1000)))
+        take(consumer.consume(num_messages=10_000, timeout=0.5))
         lags = [seen[tid][0][0] - d for tid, d in due.items() if tid in seen]
+        first_due = min(due.values(), default=0)
+        points = [((d - first_due) / 1000, seen[tid][0][0] - d) for tid, d in due.items() if tid in seen]
         seen_lags = [seen[tid][0][1] - d for tid, d in due.items() if tid in seen]
         return {"rate": rate, "duration_s": profile.duration, "partitions": settings.partitions,
                 "scheduled": len(due), "delivered": len(lags), "lost": len(due) - len(lags),
                 "duplicates": sum(len(v) - 1 for tid, v in seen.items() if tid in due),
                 "warm_up_s": round(warm_s, 3), "scheduler": stats, "lag_ms": summary(lags),
-                "consumer_seen_lag_ms": summary(seen_lags), "lags": lags,
-                "log": str(procs.procs[-1][1]) if procs.procs else None}
+                "consumer_seen_lag_ms": summary(seen_lags), "cpu_cores": cpu, "redis_calls": redis_calls,
+                "evalsha_per_task": round(redis_calls.get("evalsha", 0) / max(len(due), 1), 3),
+                "restarted": meter.restarted(), "lags": lags, "points": points,
+                "log": next(str(log) for proc, log in procs.procs if proc is poller),
+                "py_spy": str(spy_file) if spy is not None else None}
     finally:
+        stop_py_spy([spy])
         if scheduler is not None and scheduler.is_alive():
             scheduler.terminate()
             scheduler.join(10)
@@ -359,16 +412,42 @@ def report(throughputs: list[dict[str, Any]], lags: list[dict[str, Any]]) -> Non
         best = max(r["per_s_dispatch"] for r in throughputs)
         console.print(f"claim ceiling (MEASURED.md, 100k in the set): ~{CLAIM_CEILING:,}/s; "
                       f"best dispatch rate here {best:,}/s = {best / CLAIM_CEILING:.0%} of it")
+    rows = [(f"throughput, {r['pollers']} poller(s)", r) for r in throughputs] + \
+           [(f"lag @ {r['rate']}/s", r) for r in lags]
+    if any(r["cpu_cores"] for _, r in rows):
+        table = Table("scenario", "poller(s)", "redis", "kafka", "etcd", "bench (+scheduler)", "others",
+                      "machine busy", "EVALSHA/task", title="CPU while dispatching (average cores used)")
+        for name, r in rows:
+            cpu = r["cpu_cores"]
+            if not cpu:
+                continue
+            pollers = sum(v for k, v in cpu.items() if k.startswith("poller"))
+            table.add_row(name, f"{pollers:.2f}", *(f"{cpu.get(k, 0):.2f}" for k in ("redis", "kafka", "etcd")),
+                          f"{cpu.get('bench', 0) + cpu.get('scheduler', 0):.2f}", f"{cpu['others']:.2f}",
+                          f"{cpu['machine']:.2f} of {cpu['cores']:.0f}", f"{r['evalsha_per_task']:.2f}")
+        console.print(table)
     if lags:
         table = Table("rate/s", "s", "scheduled", "delivered", "lost", "dup", "lag p50", "p99", "p99.9", "max",
-                      "sched. behind max", title="Lag: Kafka CreateTime - due time (1 poller)")
+                      "seen p50", "seen p99", "sched. behind max",
+                      title="Lag: Kafka CreateTime - due time (1 poller); seen = received by a consumer - due time")
         for r in lags:
-            s = r["lag_ms"]
+            s, seen = r["lag_ms"], r["consumer_seen_lag_ms"]
             table.add_row(f"{r['rate']:,}", f"{r['duration_s']:g}", f"{r['scheduled']:,}", f"{r['delivered']:,}",
                           str(r["lost"]), str(r["duplicates"]), f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms",
-                          f"{s['p999']:.0f} ms", f"{s['max']:.0f} ms",
-                          f"{(r['scheduler'] or {}).get('max_behind_ms', float('nan')):.0f} ms")
+                          f"{s['p999']:.0f} ms", f"{s['max']:.0f} ms", f"{seen['p50']:.0f} ms", f"{seen['p99']:.0f} ms",
+                          f"{(r['scheduler'] or {}).get('behind_ms', {}).get('max', float('nan')):.0f} ms")
         console.print(table)
+        console.print("CreateTime is stamped when the poller calls produce(), so it excludes the broker; "
+                      "'seen' includes it (and this consumer's fetch).")
+
+
+def git_state() -> dict[str, Any]:
+    """The commit benchmarked and the library files changed on top of it (the tree moves while we run)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=RESULTS.parent.parent, capture_output=True,
+                              text=True).stdout.strip()
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "dirty": git("status", "--porcelain", "--", "celery_delayed").splitlines()}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Profile, argparse.Namespace]:
@@ -382,7 +461,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Profile, argparse.Namespa
     parser.add_argument("--pollers", default="1,2", help="poller counts for throughput (default 1,2)")
     parser.add_argument("--skip", choices=["throughput", "lag"], action="append", default=[],
                         help="skip a scenario (repeatable)")
-    parser.add_argument("--py-spy", action="store_true", help="record the first throughput poller with py-spy")
+    parser.add_argument("--py-spy", action="store_true",
+                        help="record every poller with py-spy (raw stacks next to the poller logs)")
     opts = parser.parse_args(argv)
     quick = opts.quick
     rates = opts.rates or ("500,2000" if quick else "1000,5000")
@@ -409,38 +489,56 @@ def main(argv: list[str] | None = None) -> int:
     procs = Processes(logdir)
     throughputs: list[dict[str, Any]] = []
     lags: list[dict[str, Any]] = []
+    errors: list[str] = []
     console.print(f"[bold]dispatch benchmark[/] {profile}; logs in {logdir}")
+    context: dict[str, Any] = {"git": git_state(), "loadavg_start": os.getloadavg()}
     try:
         template = capture_template(profile.partitions)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
             if "throughput" not in opts.skip:
                 for n in profile.pollers:
-                    throughputs.append(throughput(template, profile, n, procs, progress,
-                                                  py_spy=opts.py_spy and n == profile.pollers[0]))
+                    try:
+                        result = throughput(template, profile, n, procs, progress, py_spy=opts.py_spy)
+                    except RuntimeError as exc:  # e.g. a server restarted under us: keep the other results
+                        errors.append(f"throughput, {n} poller(s): {exc}")
+                        continue
+                    result["py_spy_top"] = [profile_top(Path(raw)) for raw in result["py_spy"] if Path(raw).exists()]
+                    throughputs.append(result)
             if "lag" not in opts.skip:
                 for rate in profile.rates:
-                    lags.append(lag(template, profile, rate, procs, progress))
+                    try:
+                        lags.append(lag(template, profile, rate, procs, progress, py_spy=opts.py_spy))
+                    except RuntimeError as exc:
+                        errors.append(f"lag @ {rate}/s: {exc}")
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]")
         return 130
     finally:
         procs.stop_all()
+    context["loadavg_end"] = os.getloadavg()
     report(throughputs, lags)
+    for error in errors:
+        console.print(f"[red]failed:[/] {error}")
+    for r in throughputs + lags:
+        if r["restarted"]:
+            name = f"throughput, {r['pollers']} poller(s)" if "pollers" in r else f"lag @ {r['rate']}/s"
+            console.print(f"[yellow]warning:[/] {', '.join(r['restarted'])} restarted during {name}: "
+                          "its numbers are not representative")
     plot = None
     if lags:
-        plot = plot_lags({f"{r['rate']}/s (n={r['delivered']})": r["lags"] for r in lags},
+        plot = plot_lags({f"{r['rate']}/s (n={r['delivered']})": r["points"] for r in lags},
                          RESULTS / f"dispatch-{stamp}.png",
                          f"celery-delayed dispatch lag, 1 poller, {profile.partitions} partitions")
-    result = {"profile": dataclasses.asdict(profile), "argv": sys.argv, "started": stamp,
-              "claim_ceiling_per_s": CLAIM_CEILING, "throughput": throughputs,
-              "lag": [{k: v for k, v in r.items() if k != "lags"} for r in lags],
+    result = {"profile": dataclasses.asdict(profile), "argv": sys.argv, "started": stamp, "context": context,
+              "claim_ceiling_per_s": CLAIM_CEILING, "errors": errors, "throughput": throughputs,
+              "lag": [{k: v for k, v in r.items() if k not in ("lags", "points")} for r in lags],
               "plot": str(plot) if plot else None, "logs": str(logdir)}
     path = RESULTS / f"dispatch-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
     console.print(f"results: {path}" + (f"\nplot: {plot}" if plot else ""))
     lost = sum(r["lost"] for r in throughputs + lags)
-    return 1 if lost else 0
+    return 1 if lost or errors else 0
 
 
 if __name__ == "__main__":

@@ -183,8 +183,14 @@ class KafkaFeed:
             _feeds.discard(self)
 
     def _read(self, consumer: Consumer, room: int) -> None:
+        # consume(n, timeout) waits for n records or the timeout, which would hold a
+        # lone record up to the timeout: wait for the first, then take what is there.
+        first = consumer.poll(0.1)
+        if first is None:
+            return
+        records = [first, *(consumer.consume(num_messages=min(room, 500) - 1, timeout=0) if room > 1 else ())]
         accepted = []
-        for record in consumer.consume(num_messages=min(room, 500), timeout=0.1):
+        for record in records:
             if record.error():
                 logger.warning("Kafka consumer error: %s", record.error())
                 continue

@@ -9,6 +9,7 @@ again after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -27,6 +28,8 @@ from .store import DelayedStore, Fenced, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
+#: "Nothing scheduled" as a due time.
+NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
 #: notices a resigned leader's partitions within this.
 LEADERSHIP_INTERVAL = 0.5
@@ -74,8 +77,10 @@ class Poller:
         self._wake = threading.Event()
         self._topics: set[str] = set()
         self._reports: list[tuple[int, str, int, KafkaError | None]] = []
+        self._in_flight: dict[str, tuple[int, int]] = {}  # task id -> (partition, due ms) until reported
         self._pending = 0
-        self._next_due_ms: int | None = None  # Redis clock
+        self._next_due: dict[int, float] = {}  # partition -> next due ms (Redis clock); absent = unknown
+        self._last_sweep = 0.0
         self._clock_offset_ms = 0  # Redis clock minus local clock
 
     # -- lifecycle -----------------------------------------------------------
@@ -87,6 +92,8 @@ class Poller:
         pubsub.subscribe(**{self.store.wake_channel: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True)
         logger.info("poller %s started (%d partitions)", self.leadership.id, self.settings.partitions)
+        gc.collect()
+        gc.freeze()  # what start-up loaded (Celery, the app) is never scanned by the GC again
         try:
             while not self._stopping.is_set():
                 dispatched = self.tick()
@@ -108,10 +115,20 @@ class Poller:
 
     # -- one round -------------------------------------------------------------
     def tick(self) -> int:
-        """Claim and produce one batch from every led partition; returns tasks produced."""
+        """Claim and produce one batch from each led partition that may have due tasks.
+
+        A partition is claimed when its next due time (as of its last claim) has
+        come, when a wake-up made it unknown, and in a full sweep every
+        ``max_sleep`` (which also returns a dead poller's expired claims to due).
+        """
         produced = 0
-        next_due = None
+        sweep = time.monotonic() - self._last_sweep >= self.settings.max_sleep
+        if sweep:
+            self._last_sweep = time.monotonic()
+        now_ms = time.time() * 1000 + self._clock_offset_ms
         for partition, token in self.leadership.owned().items():
+            if not sweep and self._next_due.get(partition, 0) > now_ms:
+                continue
             budget = min(self.settings.claim_batch, self._limit.available())
             if budget < 1:
                 break
@@ -130,11 +147,8 @@ class Poller:
             self._limit.take(len(claim.items))
             for task_id, due_ms, data in claim.items:
                 produced += self._produce(partition, task_id, due_ms, data)
-            if len(claim.items) >= budget:
-                next_due = claim.now_ms  # more may be due right now
-            elif claim.next_due_ms is not None:
-                next_due = claim.next_due_ms if next_due is None else min(next_due, claim.next_due_ms)
-        self._next_due_ms = next_due
+            full = len(claim.items) >= budget
+            self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
 
@@ -153,20 +167,25 @@ class Poller:
                 return 0
             self._topics.add(topic)
 
-        def report(err: KafkaError | None, msg: Message) -> None:
-            self._reports.append((partition, task_id, due_ms, err))
-
+        self._in_flight[task_id] = (partition, due_ms)
         while True:
             try:
-                self.producer.produce(topic, key=task_id, value=data, on_delivery=report)
+                self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)
             except KafkaException as exc:  # this message can never be produced (e.g. too large)
+                del self._in_flight[task_id]
                 self._dead_letter(partition, task_id, data, f"Kafka refused the message: {exc}")
                 return 0
         self._pending += 1
         return 1
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        """Kafka's delivery report (one shared callback: no closure per message for the GC to scan)."""
+        task_id = msg.key().decode()
+        partition, due_ms = self._in_flight.pop(task_id)
+        self._reports.append((partition, task_id, due_ms, err))
 
     def _drain_reports(self, timeout: float) -> None:
         """Serve Kafka delivery reports: ack the delivered, return the failed to due."""
@@ -195,6 +214,7 @@ class Poller:
                 metrics.DISPATCHED.inc(len(ids))
             for partition, ids in failed.items():
                 self.store.nack(partition, ids)
+                self._next_due[partition] = 0  # due again in a second: look then
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))
         except StoreUnavailable as exc:  # entries stay inflight and return after the visibility timeout
@@ -209,11 +229,12 @@ class Poller:
 
     # -- waiting ---------------------------------------------------------------
     def _sleep(self) -> None:
-        """Sleep until the next due task, a wake-up, or ``max_sleep``; serve reports meanwhile."""
-        deadline = time.monotonic() + max(self.settings.max_sleep, self._limit.wait_time())
-        if self._next_due_ms is not None:
-            local_due = (self._next_due_ms - self._clock_offset_ms) / 1000
-            deadline = min(deadline, time.monotonic() + max(self._limit.wait_time(), local_due - time.time()))
+        """Sleep until the next due task, a wake-up, or the next sweep; serve reports meanwhile."""
+        owned = self.leadership.owned()
+        next_due = min((self._next_due.get(p, 0) for p in owned), default=NEVER)
+        local_due = time.monotonic() + (next_due - self._clock_offset_ms) / 1000 - time.time()
+        deadline = max(min(self._last_sweep + self.settings.max_sleep, local_due),
+                       time.monotonic() + self._limit.wait_time())
         while not self._wake.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -226,12 +247,9 @@ class Poller:
         self._wake.clear()
 
     def _on_wake(self, message: dict) -> None:
-        try:
-            due = int(message["data"])
-        except (TypeError, ValueError):
-            return
-        if self._next_due_ms is None or due < self._next_due_ms:
-            self._wake.set()
+        """A task was scheduled sooner than anything in its partition: look at every partition."""
+        self._next_due.clear()
+        self._wake.set()
 
     def _lead(self) -> None:
         interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)

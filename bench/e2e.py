@@ -1,0 +1,163 @@
+"""End-to-end benchmark: due time -> task started, and tasks/s through one worker.
+
+Each figure is measured twice in the same run, on the same worker command:
+
+- **kafka**: celery-delayed's path (store -> poller -> Kafka -> worker);
+- **broker**: plain Celery on the Redis broker (the baseline).
+
+Throughput: N tasks already due, one worker (prefork, 2 processes) started on
+them; tasks/s from the first to the last task started.  Baseline: the same N
+tasks waiting on the broker queue.  Lag: tasks scheduled at a fixed rate with a
+2 s countdown; lag = task start - due time.  Baseline: Celery's own ETA
+handling (the worker holds each task in memory until due).
+
+    python -m bench.e2e [--quick] [--tasks N] [--rate R] [--duration S]
+
+Writes bench/results/e2e-<time>.json and .png (lag distributions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from bench.common import RESULTS, cleanup, new_overrides, plot_lags, settings_of, summary
+from tasks import create_app
+from tests.integration.support import Processes, wait_for
+
+console = Console()
+
+
+def lags_of(client: redis.Redis, run: str) -> list[int]:
+    """Lags (ms) recorded by ``tasks.demo.fire`` for one run."""
+    return [int(x) for x in client.lrange(f"demo:{run}:lag", 0, -1)]
+
+
+def wait_fired(client: redis.Redis, run: str, n: int, progress: Progress, label: str, timeout: float) -> None:
+    job = progress.add_task(label, total=n)
+    deadline = time.monotonic() + timeout
+    while (done := client.hlen(f"demo:{run}:runs")) < n:
+        progress.update(job, completed=done)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{label}: only {done} of {n} tasks ran in {timeout:.0f} s")
+        time.sleep(0.2)
+    progress.update(job, completed=n)
+
+
+def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """Tasks/s through one worker, for N tasks already due when it starts."""
+    overrides = new_overrides(partitions=8)
+    app = create_app(**overrides)
+    client = redis.Redis.from_url(app.conf.delayed_redis_url)
+    run = uuid.uuid4().hex[:8]
+    procs = Processes(logdir, overrides)
+    fire = app.tasks["tasks.demo.fire"]
+    try:
+        due_ms = int((time.time() + 2) * 1000)
+        job = progress.add_task(f"{path}: send {n}", total=n)
+        for i in range(n):
+            if path == "kafka":
+                fire.apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+            else:
+                fire.apply_async((run, due_ms))
+            progress.advance(job)
+        if path == "kafka":
+            procs.poller()
+            time.sleep(max(0.0, due_ms / 1000 - time.time()) + 1)  # all due and on Kafka...
+        procs.worker("bench", "-c", "2")  # ...before the worker starts
+        wait_fired(client, run, n, progress, f"{path}: run {n}", timeout=max(120.0, n / 20))
+        starts = [due_ms + lag for lag in lags_of(client, run)]
+        span = (max(starts) - min(starts)) / 1000
+        return {"path": path, "tasks": n, "seconds": span, "per_s": n / span if span else float("nan")}
+    finally:
+        procs.stop_all()
+        client.delete(f"demo:{run}:runs", f"demo:{run}:lag")
+        cleanup(settings_of(overrides), [settings_of(overrides).topic(overrides["task_default_queue"])])
+
+
+def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """Lag from due time to task start, tasks scheduled at ``rate``/s with a 2 s countdown."""
+    overrides = new_overrides(partitions=8)
+    if path == "broker":
+        overrides["delayed_min_delay"] = 10 ** 9  # every ETA takes Celery's own path
+    app = create_app(**overrides)
+    client = redis.Redis.from_url(app.conf.delayed_redis_url)
+    run = uuid.uuid4().hex[:8]
+    procs = Processes(logdir, overrides)
+    fire = app.tasks["tasks.demo.fire"]
+    n = int(rate * duration)
+    try:
+        if path == "kafka":
+            procs.poller()
+        procs.worker("bench", "-c", "2")
+        warm = fire.apply_async((run + "-warm", int((time.time() + 1.5) * 1000)), countdown=1.5)
+        wait_for(lambda: client.hlen(f"demo:{run}-warm:runs"), 60, "the warm-up task")
+        job = progress.add_task(f"{path}: {rate}/s for {duration:.0f} s", total=n)
+        started = time.monotonic()
+        for i in range(n):
+            time.sleep(max(0.0, started + i / rate - time.monotonic()))
+            due_ms = int((time.time() + 2) * 1000)
+            fire.apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+            progress.advance(job)
+        wait_fired(client, run, n, progress, f"{path}: run {n}", timeout=120)
+        lags = lags_of(client, run)
+        return {"path": path, "rate": rate, "tasks": n, "achieved_rate": n / (time.monotonic() - started),
+                "lag_ms": summary(lags), "points": [(i / rate, x) for i, x in enumerate(lags)],
+                "warm": warm.id}
+    finally:
+        procs.stop_all()
+        client.delete(f"demo:{run}:runs", f"demo:{run}:lag", f"demo:{run}-warm:runs", f"demo:{run}-warm:lag")
+        cleanup(settings_of(overrides), [settings_of(overrides).topic(overrides["task_default_queue"])])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small counts, for CI")
+    parser.add_argument("--tasks", type=int, help="tasks per throughput run (default 3000; quick 500)")
+    parser.add_argument("--rate", type=int, help="tasks/s for the lag runs (default 100; quick 50)")
+    parser.add_argument("--duration", type=float, help="seconds of the lag runs (default 20; quick 6)")
+    opts = parser.parse_args(argv)
+    n = opts.tasks or (500 if opts.quick else 3000)
+    rate = opts.rate or (50 if opts.quick else 100)
+    duration = opts.duration or (6.0 if opts.quick else 20.0)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    logdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    with Progress(console=console) as progress:
+        rates = [throughput(path, n, progress, logdir) for path in ("broker", "kafka")]
+        lags = [lag(path, rate, duration, progress, logdir) for path in ("broker", "kafka")]
+
+    table = Table("path", "tasks/s (1 worker, 2 procs)", "lag p50", "lag p99", "lag max", "lost",
+                  title=f"end to end: {n} tasks; lag at {rate}/s for {duration:.0f} s")
+    for t, l in zip(rates, lags):
+        s = l["lag_ms"]
+        table.add_row(t["path"], f"{t['per_s']:.0f}", f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms",
+                      f"{s['max']:.0f} ms", str(l["tasks"] - s["count"]))
+    console.print(table)
+    ratio = rates[1]["per_s"] / rates[0]["per_s"]
+    console.print(f"throughput kafka/broker = {ratio:.2f}; "
+                  f"lag p99 kafka/broker = {lags[1]['lag_ms']['p99'] / max(lags[0]['lag_ms']['p99'], 1):.2f}")
+    png = plot_lags({f"{l['path']} ({l['rate']}/s)": l["points"] for l in lags}, RESULTS / f"e2e-{stamp}.png",
+                    "due time -> task started, one worker: celery-delayed (kafka) vs Celery ETA (broker)")
+    for l in lags:
+        del l["points"]
+    out = RESULTS / f"e2e-{stamp}.json"
+    out.write_text(json.dumps({"throughput": rates, "lag": lags, "throughput_ratio": ratio,
+                               "argv": argv, "logs": str(logdir)}, indent=2))
+    console.print(f"results: {out}\nplot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

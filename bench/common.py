@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient
 
 from celery_delayed.leadership import make_etcd
 from celery_delayed.settings import Settings
+from tests.integration.support import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -34,15 +35,6 @@ def settings_of(overrides: dict[str, Any]) -> Settings:
     """The celery-delayed settings a poller started with ``overrides`` reads (local defaults otherwise)."""
     return Settings.from_mapping({k[len("delayed_"):]: v for k, v in overrides.items()
                                   if k.startswith("delayed_")})
-
-
-def environment(overrides: dict[str, Any]) -> dict[str, str]:
-    """Environment passing ``overrides`` to a subprocess, as tests/integration/support.py does."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for key, value in overrides.items():
-        name = key.upper() if key.startswith("delayed_") else "CELERY_" + key.upper()
-        env[name] = str(value)
-    return env
 
 
 class Processes:

@@ -276,7 +276,8 @@ def summary(values: Sequence[float]) -> dict[str, float]:
             "p999": percentile(ordered, 0.999), "max": float(ordered[-1]) if ordered else math.nan}
 
 
-def plot_lags(series: dict[str, Sequence[tuple[float, float]]], path: Path, title: str) -> Path:
+def plot_lags(series: dict[str, Sequence[tuple[float, float]]], path: Path, title: str,
+              lag_label: str = "Kafka CreateTime - due time") -> Path:
     """Histogram, CDF and timeline of each named series of ``(seconds since first due, lag ms)`` into a PNG."""
     import matplotlib
     matplotlib.use("Agg")
@@ -295,7 +296,7 @@ def plot_lags(series: dict[str, Sequence[tuple[float, float]]], path: Path, titl
         cdf.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
         timeline.plot([t for t, _ in points], [lag for _, lag in points], ".", markersize=1.5, alpha=0.5,
                       label=label)
-    hist.set_xlabel("lag: Kafka CreateTime - due time (ms)")
+    hist.set_xlabel(f"lag: {lag_label} (ms)")
     hist.set_ylabel("tasks")
     hist.set_yscale("log")
     cdf.set_xlabel("lag (ms)")

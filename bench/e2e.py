@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"throughput kafka/broker = {ratio:.2f}; "
                   f"lag p99 kafka/broker = {lags[1]['lag_ms']['p99'] / max(lags[0]['lag_ms']['p99'], 1):.2f}")
     png = plot_lags({f"{l['path']} ({l['rate']}/s)": l["points"] for l in lags}, RESULTS / f"e2e-{stamp}.png",
-                    "due time -> task started, one worker: celery-delayed (kafka) vs Celery ETA (broker)")
+                    "due time -> task started, one worker: celery-delayed (kafka) vs Celery ETA (broker)",
+                    lag_label="task started - due time")
     for l in lags:
         del l["points"]
     out = RESULTS / f"e2e-{stamp}.json"

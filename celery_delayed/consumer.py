@@ -20,6 +20,8 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.app.amqp import AMQP
+from celery.worker import state as worker_state
+import redis
 from confluent_kafka import Consumer, TopicPartition
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
@@ -31,13 +33,15 @@ from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import RunClaims, finished
 from .settings import Settings
-from .store import DelayedStore
+from .store import DelayedStore, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
 #: Unsettled records a worker holds when Celery's prefetch limit is unlimited.
 DEFAULT_MAX_UNSETTLED = 1000
 COMMIT_INTERVAL = 0.5
+#: Errors that say "try again shortly", not "this message is bad".
+TRANSIENT = (redis.RedisError, StoreUnavailable)
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0
@@ -63,9 +67,11 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         self.feed: KafkaFeed | None = None
+        self.claims: RunClaims | None = None  # outlives feeds: kept across consumer restarts
 
     def start(self, c: Any) -> None:
-        self.feed = KafkaFeed(c)
+        self.feed = KafkaFeed(c, self.claims)
+        self.claims = self.feed.claims
         self.feed.start()
 
     def stop(self, c: Any) -> None:
@@ -79,16 +85,15 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
 class KafkaFeed:
     """The Kafka consumer thread of one worker consumer, and its hand-off to the loop."""
 
-    def __init__(self, c: Any) -> None:
+    def __init__(self, c: Any, claims: RunClaims | None = None) -> None:
         amqp: AMQP = c.app.amqp
         self.c = c
         self.settings: Settings = getattr(amqp, "delayed_settings", None) or Settings.from_app(c.app)
         self.store = DelayedStore(self.settings)
         self.dead_letters = DeadLetters(self.store)
-        self.claims = RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
-                                lease_s=self.settings.run_lease)
-        self._claimed: set[str] = set()
-        self._claimed_lock = threading.Lock()
+        self.claims = claims or RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
+                                          lease_s=self.settings.run_lease)
+        self._in_hand: set[str] = set()  # task ids given to Celery and not settled yet
         self.queues = sorted(amqp.queues.consume_from)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.offsets = OffsetTracker()
@@ -134,6 +139,12 @@ class KafkaFeed:
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
+        # Celery drops the requests it had reserved but not started when its consumer
+        # stops: their run claims would be kept alive for ever, blocking the copies
+        # read again after the restart.  Give up every claim whose task is not running.
+        running = {request.id for request in worker_state.active_requests}
+        for task_id in self._in_hand - running:
+            self._release(task_id)
 
     def close(self) -> None:
         """Commit what is settled and leave the consumer group now."""
@@ -144,39 +155,38 @@ class KafkaFeed:
 
     def _run(self) -> None:
         consumer = self._consumer
-        last_commit = last_extend = time.monotonic()
+        last_commit = time.monotonic()
         full_since: float | None = None
         try:
             while self._running.is_set():
-                room = self._max_unsettled() - self.offsets.outstanding()
-                if not self._reading.is_set():
-                    if not self.offsets.outstanding() or time.monotonic() > self._drain_until:
-                        break
-                    consumer.pause(consumer.assignment())
-                    consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
-                elif room <= 0:
-                    # Hold off reading while the worker holds its prefetch limit.  Pausing
-                    # the partitions would cost ~1 s of fetch latency on resume, so only
-                    # pause when full for long, to keep group membership alive meanwhile.
-                    full_since = full_since or time.monotonic()
-                    if time.monotonic() - full_since > MAX_POLL_GAP:
+                try:
+                    room = self._max_unsettled() - self.offsets.outstanding()
+                    if not self._reading.is_set():
+                        if not self.offsets.outstanding() or time.monotonic() > self._drain_until:
+                            break
                         consumer.pause(consumer.assignment())
-                        consumer.consume(num_messages=1, timeout=0)
-                        consumer.resume(consumer.assignment())
-                        full_since = time.monotonic()
-                    self._room.wait(0.05)
-                    self._room.clear()
-                else:
-                    full_since = None
-                    self._read(consumer, room)
-                if time.monotonic() - last_commit >= COMMIT_INTERVAL:
-                    self._commit(self.offsets.committable())
-                    last_commit = time.monotonic()
-                if time.monotonic() - last_extend >= self.settings.run_lease / 3:
-                    self._extend_claims()
-                    last_extend = time.monotonic()
-        except Exception:
-            logger.exception("Kafka consumer thread failed")
+                        consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
+                    elif room <= 0:
+                        # Hold off reading while the worker holds its prefetch limit.  Pausing
+                        # the partitions would cost ~1 s of fetch latency on resume, so only
+                        # pause when full for long, to keep group membership alive meanwhile.
+                        full_since = full_since or time.monotonic()
+                        if time.monotonic() - full_since > MAX_POLL_GAP:
+                            consumer.pause(consumer.assignment())
+                            consumer.consume(num_messages=1, timeout=0)
+                            consumer.resume(consumer.assignment())
+                            full_since = time.monotonic()
+                        self._room.wait(0.05)
+                        self._room.clear()
+                    else:
+                        full_since = None
+                        self._read(consumer, room)
+                    if time.monotonic() - last_commit >= COMMIT_INTERVAL:
+                        self._commit(self.offsets.committable())
+                        last_commit = time.monotonic()
+                except Exception:  # this thread must outlive any one failure, or the worker goes deaf
+                    logger.exception("Kafka consumer thread: error, going on in a second")
+                    time.sleep(1)
         finally:
             self._commit(self.offsets.committable())
             consumer.close()
@@ -194,7 +204,9 @@ class KafkaFeed:
             if record.error():
                 logger.warning("Kafka consumer error: %s", record.error())
                 continue
-            accepted.append((record, self.offsets.add((record.topic(), record.partition()), record.offset())))
+            partition = self.offsets.add((record.topic(), record.partition()), record.offset())
+            if partition is not None:  # None: revoked meanwhile, the new owner reads it
+                accepted.append((record, partition))
         if accepted:
             self._hand_over(accepted)
 
@@ -236,9 +248,18 @@ class KafkaFeed:
                     return
                 record, partition = self._ready.popleft()
             try:
-                self._dispatch(record, partition)
-            except Exception as exc:  # never let one message break the loop
-                self._dead_letter(record, partition, f"dispatch failed: {exc!r}", traceback.format_exc())
+                try:
+                    self._dispatch(record, partition)
+                except TRANSIENT:
+                    raise
+                except Exception as exc:  # never let one message break the loop
+                    self._dead_letter(record, partition, f"dispatch failed: {exc!r}", traceback.format_exc())
+            except TRANSIENT as exc:  # Redis or the result backend blinked: the same record again soon
+                logger.warning("task delivery deferred 1 s: %s", exc)
+                with self._ready_lock:
+                    self._ready.appendleft((record, partition))
+                self.c.hub.call_later(1.0, self._drain)
+                return
 
     def _dispatch(self, record: Any, partition: PartitionOffsets) -> None:
         offset = record.offset()
@@ -252,9 +273,7 @@ class KafkaFeed:
             self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
             return
         if finished(self.c.app.backend, task_id):
-            logger.debug("task %s already finished: delivery acknowledged without running", task_id)
-            metrics.SKIPPED_FINISHED.inc()
-            self._settle(partition, offset)
+            self._skip_finished(task_id, partition, offset)
             return
         wait_ms = self.claims.acquire(task_id)
         if wait_ms:  # another copy is running: try again once its claim would have expired
@@ -262,8 +281,11 @@ class KafkaFeed:
             self.store.schedule_many([(task_id, int(time.time() * 1000) + wait_ms, record.value())])
             self._settle(partition, offset)
             return
-        with self._claimed_lock:
-            self._claimed.add(task_id)
+        self._in_hand.add(task_id)
+        if finished(self.c.app.backend, task_id):  # finished between the check and the claim
+            self._release(task_id)
+            self._skip_finished(task_id, partition, offset)
+            return
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
                           properties=envelope.properties, accept=self.accept, channel=None,
@@ -271,31 +293,33 @@ class KafkaFeed:
                                          "routing_key": envelope.routing_key or envelope.queue})
 
         def on_ack(log: Any = None, errors: Any = None) -> None:
-            self._finish(task_id)
+            self._release(task_id)
             self._settle(partition, offset)
 
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
-            self._finish(task_id)
+            self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
-                self.store.schedule_many([(task_id, int(time.time() * 1000), record.value())])
+                try:
+                    self.store.schedule_many([(task_id, int(time.time() * 1000), record.value())])
+                except TRANSIENT as exc:  # unsettled, the record is read again after a restart
+                    logger.error("task %s could not be requeued (%s); left uncommitted", task_id, exc)
+                    return
             self._settle(partition, offset)
 
         try:
             strategy(message, None, on_ack, on_reject, self.c.on_task_message)
         except Exception:
-            self._finish(task_id)
+            self._release(task_id)
             raise
 
-    def _finish(self, task_id: str) -> None:
-        with self._claimed_lock:
-            self._claimed.discard(task_id)
+    def _release(self, task_id: str) -> None:
+        self._in_hand.discard(task_id)
         self.claims.release(task_id)
 
-    def _extend_claims(self) -> None:
-        with self._claimed_lock:
-            running = list(self._claimed)
-        if running:
-            self.claims.extend(running)
+    def _skip_finished(self, task_id: str, partition: PartitionOffsets, offset: int) -> None:
+        logger.debug("task %s already finished: delivery acknowledged without running", task_id)
+        metrics.SKIPPED_FINISHED.inc()
+        self._settle(partition, offset)
 
     def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
         task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"

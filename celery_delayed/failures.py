@@ -42,9 +42,13 @@ def _envelope(task: Task, task_id: str, args: Any, kwargs: Any) -> bytes:
     """The failed task's message, rebuilt as Celery builds it (same id, args and lineage)."""
     request = task.request
     queue = (request.delivery_info or {}).get("routing_key") or task.app.conf.task_default_queue
+    hard, soft = request.timelimit or (None, None)  # Celery's header order: [time_limit, soft_time_limit]
     headers, properties, body, _ = task.app.amqp.create_task_message(
         task_id, task.name, list(args), dict(kwargs), retries=request.retries or 0, root_id=request.root_id,
-        parent_id=request.parent_id, group_id=request.group, reply_to=request.reply_to or "")
+        parent_id=request.parent_id, group_id=request.group, group_index=request.group_index,
+        reply_to=request.reply_to or "", callbacks=request.callbacks, errbacks=request.errbacks,
+        chain=request.chain, chord=request.chord, time_limit=hard, soft_time_limit=soft,
+        ignore_result=request.ignore_result)
     data, content_type, content_encoding = serialize(body, task.serializer, None, headers)
     return Envelope(task_id=task_id, queue=queue, headers=headers, body=data, content_type=content_type,
                     content_encoding=content_encoding,

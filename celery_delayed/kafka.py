@@ -13,12 +13,17 @@ logger = logging.getLogger(__name__)
 
 
 def make_producer(settings: Settings) -> Producer:
-    """An idempotent, acks=all producer: a retried send never duplicates in Kafka."""
+    """An idempotent, acks=all producer: a retried send never duplicates in Kafka.
+
+    A delivery is given up (and the task returned to due) well before the
+    claim's visibility deadline, so a task is not claimed again while its
+    first delivery is still pending.
+    """
     return Producer(settings.kafka(**{
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 2,
-        "message.timeout.ms": 30_000,
+        "message.timeout.ms": min(30_000, int(settings.visibility_timeout * 800)),
     }))
 
 

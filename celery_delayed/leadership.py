@@ -55,7 +55,9 @@ class Leadership:
         self._lease: pyetcd.Lease | None = None
         self._owned: dict[int, int] = {}
         self._valid_until = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _owned and _valid_until
+        self._stepping = threading.Lock()  # one step at a time, never after release
+        self._closed = False
 
     def leader_key(self, partition: int) -> str:
         return f"{self._root}/leader/{partition}"
@@ -71,24 +73,27 @@ class Leadership:
 
     def step(self) -> dict[int, int]:
         """Refresh the lease, then take or give back partitions toward a fair share."""
-        started = time.monotonic()
-        try:
-            self._refresh()
-            live = len(list(self.etcd.get_prefix(f"{self._root}/pollers/", keys_only=True)))
-            share = math.ceil(self.settings.partitions / max(live, 1))
-            owned = self._reconcile(share)
-        except Exception as exc:  # etcd down or lease lost: lead nothing until proven again
-            logger.warning("poller %s cannot prove leadership (%s): dispatching nothing", self.id, exc)
+        with self._stepping:
+            if self._closed:
+                return {}
+            started = time.monotonic()
+            try:
+                self._refresh()
+                live = len(list(self.etcd.get_prefix(f"{self._root}/pollers/", keys_only=True)))
+                share = math.ceil(self.settings.partitions / max(live, 1))
+                owned = self._reconcile(share)
+            except Exception as exc:  # etcd down or lease lost: lead nothing until proven again
+                logger.warning("poller %s cannot prove leadership (%s): dispatching nothing", self.id, exc)
+                with self._lock:
+                    self._owned, self._valid_until = {}, 0.0
+                return {}
             with self._lock:
-                self._owned, self._valid_until = {}, 0.0
-            return {}
-        with self._lock:
-            if owned != self._owned:
-                logger.info("poller %s leads partitions %s", self.id, sorted(owned))
-            self._owned = owned
-            # Keys live `ttl` after the refresh; stop trusting them well before that.
-            self._valid_until = started + self.settings.lease_ttl * 2 / 3
-        return dict(owned)
+                if owned != self._owned:
+                    logger.info("poller %s leads partitions %s", self.id, sorted(owned))
+                self._owned = owned
+                # Keys live `ttl` after the refresh; stop trusting them well before that.
+                self._valid_until = started + self.settings.lease_ttl * 2 / 3
+            return dict(owned)
 
     def lose(self, partition: int) -> None:
         """Forget a partition at once (its claim was fenced by a newer leader)."""
@@ -96,15 +101,21 @@ class Leadership:
             self._owned.pop(partition, None)
 
     def release(self) -> None:
-        """Give every partition back now (clean shutdown: no standby waits for the TTL)."""
+        """Give every partition back now (clean shutdown: no standby waits for the TTL).
+
+        Waits for a step in progress, and no step runs after it, so no leader key
+        can be written once the lease is gone.
+        """
         with self._lock:
             self._owned, self._valid_until = {}, 0.0
-        if self._lease is not None:
-            try:
-                self._lease.revoke()  # deletes every key bound to it
-            except Exception as exc:
-                logger.warning("poller %s could not revoke its lease: %s", self.id, exc)
-            self._lease = None
+        with self._stepping:
+            self._closed = True
+            if self._lease is not None:
+                try:
+                    self._lease.revoke()  # deletes every key bound to it
+                except Exception as exc:
+                    logger.warning("poller %s could not revoke its lease: %s", self.id, exc)
+                self._lease = None
 
     # -- internals ---------------------------------------------------------
     def _refresh(self) -> None:
@@ -140,6 +151,8 @@ class Leadership:
         return owned
 
     def _acquire(self, partition: int) -> int | None:
+        if self._lease is None:  # a key without a lease would never expire
+            raise RuntimeError("no lease")
         key = self.leader_key(partition)
         tx = self.etcd.transactions
         ok, _ = self.etcd.transaction(compare=[tx.create(key) == 0],

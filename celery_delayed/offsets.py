@@ -65,10 +65,12 @@ class OffsetTracker:
             gone = {key: self._partitions.pop(key) for key in keys if key in self._partitions}
         return {key: p.committable for key, p in gone.items() if p.committable is not None}
 
-    def add(self, key: tuple[str, int], offset: int) -> PartitionOffsets:
+    def add(self, key: tuple[str, int], offset: int) -> PartitionOffsets | None:
+        """Track a record read; None when its partition is not assigned (any more): drop it."""
         with self._lock:
-            partition = self._partitions.setdefault(key, PartitionOffsets())
-            partition.add(offset)
+            partition = self._partitions.get(key)
+            if partition is not None:
+                partition.add(offset)
             return partition
 
     def settle(self, partition: PartitionOffsets, offset: int) -> None:

@@ -11,14 +11,27 @@ store, due when the claim would expire, so it is never dropped.
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
+import redis
 from celery import states
 from celery.backends.base import DisabledBackend
 
 from .store import DelayedStore
 
+logger = logging.getLogger(__name__)
+
 
 class RunClaims:
-    """Run claims of one worker (``owner``), leased for ``lease_s`` seconds."""
+    """Run claims held by one worker process (``owner``), leased for ``lease_s`` seconds.
+
+    A keeper thread extends every held claim each third of a lease until it is
+    released.  It belongs to the process, not to a Kafka consumer, so a
+    consumer restart (a broker reconnect) cannot leave a running task's claim
+    to lapse while the task still runs.
+    """
 
     def __init__(self, store: DelayedStore, owner: str, lease_s: float) -> None:
         self.redis = store.redis
@@ -27,6 +40,10 @@ class RunClaims:
         self.lease_ms = int(lease_s * 1000)
         self._release = self.redis.register_script(store.lua_source("release"))
         self._extend = self.redis.register_script(store.lua_source("extend"))
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
+        self._keeper.start()
 
     def key(self, task_id: str) -> str:
         return f"{self.prefix}:run:{task_id}"
@@ -34,18 +51,34 @@ class RunClaims:
     def acquire(self, task_id: str) -> int:
         """Claim ``task_id``; 0 on success, else ms until the current claim expires."""
         if self.redis.set(self.key(task_id), self.owner, nx=True, px=self.lease_ms):
+            with self._lock:
+                self._held.add(task_id)
             return 0
         return max(1, self.redis.pttl(self.key(task_id)))
 
     def release(self, task_id: str) -> None:
-        self._release(keys=[self.key(task_id)], args=[self.owner])
+        """Give a claim up; if Redis cannot be told, the claim simply expires after its lease."""
+        with self._lock:
+            self._held.discard(task_id)
+        try:
+            self._release(keys=[self.key(task_id)], args=[self.owner])
+        except redis.RedisError as exc:
+            logger.warning("run claim of %s not released (%s); it expires after its lease", task_id, exc)
 
-    def extend(self, task_ids: list[str]) -> None:
-        """Keep the claims of tasks still running alive for another lease."""
-        pipe = self.redis.pipeline(transaction=False)
-        for task_id in task_ids:
-            self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
-        pipe.execute()
+    def _keep(self) -> None:
+        while True:
+            time.sleep(self.lease_ms / 3000)
+            with self._lock:
+                held = list(self._held)
+            if not held:
+                continue
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for task_id in held:
+                    self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
+                pipe.execute()
+            except redis.RedisError as exc:  # try again next round, well within the lease
+                logger.warning("could not extend %d run claims: %s", len(held), exc)
 
 
 def finished(backend, task_id: str) -> bool:

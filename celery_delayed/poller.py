@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from typing import Callable
 
+import redis
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
@@ -28,6 +29,8 @@ from .store import DelayedStore, Fenced, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
+#: What a Redis call of the store may raise: the loop logs it and goes on.
+STORE_ERRORS = (redis.RedisError, StoreUnavailable)
 #: "Nothing scheduled" as a due time.
 NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
@@ -81,6 +84,8 @@ class Poller:
         self._pending = 0
         self._next_due: dict[int, float] = {}  # partition -> next due ms (Redis clock); absent = unknown
         self._last_sweep = 0.0
+        self._rotation = 0
+        self._topics_blocked_until = 0.0
         self._clock_offset_ms = 0  # Redis clock minus local clock
 
     # -- lifecycle -----------------------------------------------------------
@@ -90,7 +95,7 @@ class Poller:
         leader.start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(**{self.store.wake_channel: self._on_wake})
-        waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True)
+        waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
         logger.info("poller %s started (%d partitions)", self.leadership.id, self.settings.partitions)
         gc.collect()
         gc.freeze()  # what start-up loaded (Celery, the app) is never scanned by the GC again
@@ -102,10 +107,13 @@ class Poller:
                 if not dispatched or self._limit.wait_time():
                     self._sleep()
         finally:
+            self._stopping.set()  # also when the loop crashed: the leadership thread must not outlive it
             waker.stop()
-            self._drain_reports(timeout=10.0)
-            leader.join(timeout=self.settings.lease_ttl)
-            self.leadership.release()
+            try:
+                self._drain_reports(timeout=10.0)
+            finally:
+                leader.join(timeout=self.settings.lease_ttl + 5)
+                self.leadership.release()
             metrics.LEADING.clear()
             logger.info("poller %s stopped: %s", self.leadership.id, dict(self.stats))
 
@@ -126,7 +134,9 @@ class Poller:
         if sweep:
             self._last_sweep = time.monotonic()
         now_ms = time.time() * 1000 + self._clock_offset_ms
-        for partition, token in self.leadership.owned().items():
+        owned = list(self.leadership.owned().items())
+        self._rotation = (self._rotation + 1) % max(len(owned), 1)  # a rate limit must not starve the last ones
+        for partition, token in owned[self._rotation:] + owned[:self._rotation]:
             if not sweep and self._next_due.get(partition, 0) > now_ms:
                 continue
             budget = min(self.settings.claim_batch, self._limit.available())
@@ -140,8 +150,8 @@ class Poller:
                 logger.warning("%s: stop dispatching it", exc)
                 self.leadership.lose(partition)
                 continue
-            except StoreUnavailable as exc:
-                logger.warning("%s", exc)
+            except STORE_ERRORS as exc:  # down, read-only after a failover, out of memory...
+                logger.warning("claim of partition %d failed: %s", partition, exc)
                 break
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
@@ -159,13 +169,9 @@ class Poller:
             self._dead_letter(partition, task_id, data, f"undecodable stored message: {exc}")
             return 0
         if topic not in self._topics:
-            try:
-                ensure_topics(self.settings, [topic[len(self.settings.topic_prefix):]], timeout=5.0)
-            except KafkaException as exc:  # Kafka unreachable: due again shortly, nothing lost
-                logger.warning("cannot create topic %s (%s); task %s due again shortly", topic, exc, task_id)
-                self.store.nack(partition, [task_id])
+            if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
+                self._settle(self.store.nack, partition, [task_id])  # Kafka unreachable: due again shortly
                 return 0
-            self._topics.add(topic)
 
         self._in_flight[task_id] = (partition, due_ms)
         while True:
@@ -181,11 +187,37 @@ class Poller:
         self._pending += 1
         return 1
 
+    def _ensure_topic(self, topic: str) -> bool:
+        """Create a queue's topic if missing; on failure, stop trying for a few seconds."""
+        try:
+            ensure_topics(self.settings, [topic[len(self.settings.topic_prefix):]], timeout=5.0)
+        except KafkaException as exc:
+            logger.warning("cannot create Kafka topic %s: %s", topic, exc)
+            self._topics_blocked_until = time.monotonic() + 5.0
+            return False
+        self._topics.add(topic)
+        return True
+
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        """Kafka's delivery report (one shared callback: no closure per message for the GC to scan)."""
+        """Kafka's delivery report (one shared callback: no closure per message for the GC to scan).
+
+        A task claimed again while a report was pending (its visibility deadline
+        passed) has one entry for both copies: the second report finds none and
+        is settled against the task's partition with an unknown due time.
+        """
         task_id = msg.key().decode()
-        partition, due_ms = self._in_flight.pop(task_id)
+        partition, due_ms = self._in_flight.pop(task_id, (self.store.partition(task_id), None))
         self._reports.append((partition, task_id, due_ms, err))
+
+    def _settle(self, action: Callable[[int, list[str]], int], partition: int, task_ids: list[str]) -> bool:
+        """Ack or nack in the store; on a Redis error the tasks stay in flight and return after the
+        visibility timeout (a duplicate at worst), so the loop goes on."""
+        try:
+            action(partition, task_ids)
+            return True
+        except STORE_ERRORS as exc:
+            logger.warning("could not settle %d tasks of partition %d: %s", len(task_ids), partition, exc)
+            return False
 
     def _drain_reports(self, timeout: float) -> None:
         """Serve Kafka delivery reports: ack the delivered, return the failed to due."""
@@ -206,24 +238,26 @@ class Poller:
                 logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
             else:
                 delivered[partition].append(task_id)
-                metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
-        try:
-            for partition, ids in delivered.items():
-                self.store.ack(partition, ids)
+                if due_ms is not None:
+                    metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
+        for partition, ids in delivered.items():
+            if self._settle(self.store.ack, partition, ids):
                 self.stats["dispatched"] += len(ids)
                 metrics.DISPATCHED.inc(len(ids))
-            for partition, ids in failed.items():
-                self.store.nack(partition, ids)
+        for partition, ids in failed.items():
+            if self._settle(self.store.nack, partition, ids):
                 self._next_due[partition] = 0  # due again in a second: look then
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))
-        except StoreUnavailable as exc:  # entries stay inflight and return after the visibility timeout
-            logger.warning("could not settle %d delivery reports: %s", len(reports), exc)
 
     def _dead_letter(self, partition: int, task_id: str, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
-        self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
-        self.store.ack(partition, [task_id])
+        try:
+            self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
+        except STORE_ERRORS as exc:  # stays in flight: it comes back after the visibility timeout
+            logger.warning("could not dead-letter %s: %s", task_id, exc)
+            return
+        self._settle(self.store.ack, partition, [task_id])
         self.stats["dead_lettered"] += 1
         metrics.DEAD_LETTERED.labels("poller").inc()
 
@@ -250,6 +284,11 @@ class Poller:
         """A task was scheduled sooner than anything in its partition: look at every partition."""
         self._next_due.clear()
         self._wake.set()
+
+    def _on_pubsub_error(self, exc: BaseException, pubsub: object, thread: object) -> None:
+        """Redis went away under the wake-up subscription: keep the thread, retry shortly."""
+        logger.warning("wake-up subscription: %s; retrying", exc)
+        self._stopping.wait(1.0)
 
     def _lead(self) -> None:
         interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)

@@ -33,6 +33,7 @@ def test_settle_after_revoke_is_ignored():
     t = OffsetTracker()
     t.assign([("t", 0)])
     part = t.add(("t", 0), 7)
+    assert part is not None
     assert t.revoke([("t", 0)]) == {("t", 0): 7}
     t.settle(part, 7)
     assert t.committable() == {}
@@ -40,8 +41,15 @@ def test_settle_after_revoke_is_ignored():
     assert t.committable() == {}  # a fresh assignment starts from Kafka's committed offset
 
 
+def test_records_of_unassigned_partitions_are_not_tracked():
+    t = OffsetTracker()
+    assert t.add(("t", 0), 1) is None  # read just before its partition was revoked
+    assert t.committable() == {} and t.outstanding() == 0
+
+
 def test_outstanding_counts_every_partition():
     t = OffsetTracker()
+    t.assign([("t", 0), ("t", 1)])
     a, b = t.add(("t", 0), 1), t.add(("t", 1), 1)
     t.add(("t", 1), 2)
     assert t.outstanding() == 3

@@ -1,26 +1,68 @@
-"""The stored form of a task message: exactly what Celery built, compactly framed.
+"""The stored form of a task message: what Celery built, compactly framed.
 
-An envelope is ``META_JSON + b"\\n" + BODY``: ``META_JSON`` is one line of
-compact JSON (JSON escapes newlines inside strings) holding the queue, headers,
-properties and content type/encoding; ``BODY`` is the serialized body bytes,
-untouched, so any serializer (json, pickle, msgpack) and compression round-trips.
-The poller reads only the meta line (for routing); workers rebuild a kombu
-message from the whole envelope.
+A message is stored, and carried on Kafka, in one of three forms, told apart by
+the first byte:
+
+- ``\\x01`` + META + ``\\n`` + BODY: the *compact* form written now.  META is one
+  line of JSON (JSON escapes newlines inside strings) with the task id, queue,
+  headers, properties, content type/encoding and routing.  Headers and
+  properties equal to what Celery sets by default (``lang``, ``root_id`` = id,
+  ``correlation_id`` = id, empty groups, ``retries`` 0...) are left out and put
+  back on decode; the ``eta`` header is not kept at all: the store's score is
+  the due time (:meth:`DelayedStore.reschedule` moves it) and a worker must not
+  hold a due task again.
+- ``\\x02`` + DEFLATE: the compact form after ``\\x01``, raw-deflated with the
+  preset dictionary :data:`ZDICT_V1` (Celery's recurring header names and body
+  skeleton), so even a 300-byte message shrinks by half.  See :func:`deflate`.
+- ``{``...: the original form (full header set as JSON, then the body), still
+  decoded as it was written.
+
+BODY is the serialized body, untouched, so any serializer (json, pickle,
+msgpack) and kombu compression round-trip.  The poller reads only the meta
+(for routing); workers rebuild a kombu message from the whole envelope.
 """
 from __future__ import annotations
 
+import copy
 import json
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from kombu.compression import compress
 from kombu.serialization import dumps
 
-# Headers Celery fills that the worker does not need to run the task.  They
-# are dropped to keep each stored task small (see MEASURED.md: every byte of
-# a 10M-task store counts).  ``argsrepr``/``kwargsrepr`` stay: Flower shows them.
-_DROPPED_EMPTY = ("shadow", "group", "group_index", "parent_id", "stamped_headers", "stamps",
-                  "replaced_task_nesting", "ignore_result")
+COMPACT = b"\x01"
+DEFLATED = b"\x02"
+JSON_TYPE, JSON_ENCODING = "application/json", "utf-8"
+
+#: Stands for "the task's own id" among the defaults below.
+_TASK_ID = object()
+#: Headers Celery's protocol 2 always sets, with the value they have unless the
+#: caller chose otherwise (celery/app/amqp.py ``as_task_v2``).
+HEADER_DEFAULTS: dict[str, Any] = {
+    "lang": "py", "id": _TASK_ID, "root_id": _TASK_ID, "shadow": None, "expires": None, "group": None,
+    "group_index": None, "retries": 0, "timelimit": [None, None], "parent_id": None, "argsrepr": "()",
+    "kwargsrepr": "{}", "ignore_result": False, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
+}
+PROPERTY_DEFAULTS: dict[str, Any] = {"correlation_id": _TASK_ID}
+
+#: Preset dictionary of the deflated form, version 1: strings that recur in
+#: compact metas and Celery bodies, the most frequent last.  NEVER CHANGE IT:
+#: stored messages can only be inflated with these exact bytes (a new
+#: dictionary needs a new first byte).
+ZDICT_V1 = (
+    b'application/x-python-serializebinaryapplication/x-msgpackapplication/x-yaml'
+    b'"shadow":"","stamped_headers":["],"stamps":{"},"ignore_result":true,"replaced_task_nesting":1,'
+    b'"lang":"py","timelimit":[null,null],"a":["'
+    b'"parent_id":"","root_id":"","retries":1,"kwargsrepr":"{\'\': ","expires":"2026-11-29T00:00:00.000000+00:00",'
+    b'{"task": "tasks.", "args": [], "kwargs": {}, "options": {"countdown": , "task_id": "", "reply_to": "",'
+    b' "group_id": "", "group_index": 0, "root_id": "", "parent_id": ""}, "subtask_type": null, "immutable": false,'
+    b' "chord_size": null}'
+    b'"group":"","group_index":0,'
+    b'{"id":"","q":"celery","h":{"task":"tasks.","argsrepr":"(, )","origin":"gen@"},"p":{"reply_to":""}}\n'
+    b'[[], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]'
+)
 
 
 class EnvelopeError(ValueError):
@@ -46,24 +88,42 @@ class Envelope:
         return self.headers.get("task", "")
 
     def encode(self) -> bytes:
-        """Frame the envelope for storage and for the Kafka record value."""
-        headers = {k: v for k, v in self.headers.items()
-                   if not (k in _DROPPED_EMPTY and v in (None, False, 0, [], {}))}
-        meta = {"id": self.task_id, "q": self.queue, "h": headers, "ct": self.content_type,
-                "ce": self.content_encoding}
-        if self.properties:
-            meta["p"] = self.properties
-        if self.exchange:
-            meta["x"] = self.exchange
-        if self.routing_key and self.routing_key != self.queue:
-            meta["rk"] = self.routing_key
-        return json.dumps(meta, separators=(",", ":"), default=str).encode() + b"\n" + self.body
+        """The compact form (see the module doc); :func:`deflate` may shrink it further.
+
+        Raises :class:`EnvelopeError` when a header or property is not JSON data.
+        """
+        headers, absent = _omit_defaults(self.headers, HEADER_DEFAULTS, self.task_id)
+        properties, absent_properties = _omit_defaults(self.properties, PROPERTY_DEFAULTS, self.task_id)
+        headers.pop("eta", None)
+        meta: dict[str, Any] = {"id": self.task_id, "q": self.queue}
+        for key, value, default in (("h", headers, {}), ("p", properties, {}), ("a", absent + absent_properties, []),
+                                    ("ct", self.content_type, JSON_TYPE), ("ce", self.content_encoding, JSON_ENCODING),
+                                    ("x", self.exchange, ""), ("rk", self.routing_key or self.queue, self.queue)):
+            if value != default:
+                meta[key] = value
+        try:
+            line = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise EnvelopeError(f"task {self.task_id}: a header or property is not JSON data: {exc}") from None
+        return COMPACT + line.encode() + b"\n" + self.body
 
     @classmethod
     def decode(cls, data: bytes) -> "Envelope":
-        """Parse a framed envelope; raise :class:`EnvelopeError` naming what is wrong."""
-        meta = decode_meta(data)
-        body = data[data.index(b"\n") + 1:]
+        """Parse any stored form; raise :class:`EnvelopeError` naming what is wrong."""
+        meta, body, compact = _parse(data)
+        task_id, queue = meta["id"], meta["q"]
+        if not compact:
+            return cls._from_original(meta, body)
+        absent = _field(meta, "a", list, [])
+        return cls(task_id=task_id, queue=queue, body=body,
+                   headers=_restore_defaults(_field(meta, "h", dict, {}), HEADER_DEFAULTS, absent, task_id),
+                   properties=_restore_defaults(_field(meta, "p", dict, {}), PROPERTY_DEFAULTS, absent, task_id),
+                   content_type=_field(meta, "ct", str, JSON_TYPE),
+                   content_encoding=_field(meta, "ce", str, JSON_ENCODING),
+                   exchange=_field(meta, "x", str, ""), routing_key=_field(meta, "rk", str, queue))
+
+    @classmethod
+    def _from_original(cls, meta: dict[str, Any], body: bytes) -> "Envelope":
         if not isinstance(meta.get("h"), dict):
             raise EnvelopeError("envelope headers are not an object")
         try:
@@ -71,24 +131,84 @@ class Envelope:
                        content_type=meta["ct"], content_encoding=meta["ce"],
                        properties=meta.get("p", {}), exchange=meta.get("x", ""),
                        routing_key=meta.get("rk", meta["q"]))
-        except (KeyError, TypeError) as exc:
+        except KeyError as exc:
             raise EnvelopeError(f"envelope meta lacks field {exc}") from None
 
 
+def deflate(frame: bytes, min_bytes: int) -> bytes:
+    """A compact envelope of at least ``min_bytes``, deflated when that makes it smaller.
+
+    Raw deflate (no zlib header or checksum: Redis and Kafka keep the bytes
+    intact) primed with :data:`ZDICT_V1`; a small hash table (``memLevel`` 2)
+    keeps each call near 10 µs.  Other forms are returned unchanged.
+    """
+    if len(frame) < min_bytes or frame[:1] != COMPACT:
+        return frame
+    packer = zlib.compressobj(6, zlib.DEFLATED, -15, 4, zlib.Z_DEFAULT_STRATEGY, ZDICT_V1)
+    packed = DEFLATED + packer.compress(memoryview(frame)[1:]) + packer.flush()
+    return packed if len(packed) < len(frame) else frame
+
+
 def decode_meta(data: bytes) -> dict[str, Any]:
-    """Only the meta line of an envelope: enough to route it without the body."""
+    """The meta of an envelope, with at least ``id`` and ``q``: enough to route it."""
+    return _parse(data)[0]
+
+
+def _parse(data: bytes) -> tuple[dict[str, Any], bytes, bool]:
+    """``(meta, body, compact)`` of any stored form; defaults are not restored here."""
     if not isinstance(data, (bytes, bytearray)):
         raise EnvelopeError(f"envelope must be bytes, got {type(data).__name__}")
-    end = data.find(b"\n")
+    kind = data[:1]
+    text = _inflate(data[1:]) if kind == DEFLATED else data[1:] if kind == COMPACT else data
+    end = text.find(b"\n")
     if end < 0:
         raise EnvelopeError("envelope has no meta line")
     try:
-        meta = json.loads(data[:end])
+        meta = json.loads(text[:end])
     except ValueError as exc:
         raise EnvelopeError(f"envelope meta is not JSON: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("q"), str) or not isinstance(meta.get("id"), str):
         raise EnvelopeError("envelope meta lacks a task id or queue")
-    return meta
+    return meta, bytes(text[end + 1:]), kind in (COMPACT, DEFLATED)
+
+
+def _inflate(data: bytes) -> bytes:
+    unpacker = zlib.decompressobj(-15, zdict=ZDICT_V1)
+    try:
+        text = unpacker.decompress(data) + unpacker.flush()
+    except zlib.error as exc:
+        raise EnvelopeError(f"deflated envelope is damaged: {exc}") from None
+    if not unpacker.eof:
+        raise EnvelopeError("deflated envelope is truncated")
+    return text
+
+
+def _omit_defaults(values: dict[str, Any], defaults: dict[str, Any], task_id: str) -> tuple[dict[str, Any], list[str]]:
+    """``values`` without the entries equal (same type, same value) to their default,
+    and the names of defaults ``values`` lacks (so decoding does not invent them)."""
+    kept = {k: v for k, v in values.items()
+            if k not in defaults or not _is_default(v, defaults[k], task_id)}
+    return kept, [k for k in defaults if k not in values]
+
+
+def _restore_defaults(values: dict[str, Any], defaults: dict[str, Any], absent: list,
+                      task_id: str) -> dict[str, Any]:
+    restored = {k: task_id if d is _TASK_ID else copy.copy(d) for k, d in defaults.items() if k not in absent}
+    restored.update(values)
+    return restored
+
+
+def _is_default(value: Any, default: Any, task_id: str) -> bool:
+    if default is _TASK_ID:
+        return value == task_id
+    return type(value) is type(default) and value == default
+
+
+def _field(meta: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = meta.get(key, default)
+    if not isinstance(value, kind):
+        raise EnvelopeError(f"envelope meta field {key!r} is not a {kind.__name__}")
+    return value
 
 
 def serialize(body: Any, serializer: str | None, compression: str | None,

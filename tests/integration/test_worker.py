@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetters
+from celery_delayed.envelope import Envelope
 from tasks import create_app
 
 from .support import wait_for
@@ -124,7 +125,9 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     store = store_of(app)
     envelope = store.redis.hget(store.key(store.partition(unknown.id), "msg"), unknown.id)
     store.cancel(unknown.id)
-    producer.produce(topic, key=unknown.id, value=envelope.replace(b"tasks.demo.add", b"tasks.demo.nope"))
+    poisoned = Envelope.decode(envelope)
+    poisoned.headers["task"] = "tasks.demo.nope"
+    producer.produce(topic, key=unknown.id, value=poisoned.encode())
     producer.flush(10)
     processes.poller()
     ok = due_in(app, "tasks.demo.add", (20, 22))

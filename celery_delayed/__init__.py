@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from celery import Celery
 from celery.app.amqp import AMQP
+from celery.app.control import Control
 from celery.utils.imports import symbol_by_name
 
 from . import metrics
@@ -17,26 +18,27 @@ from .consumer import KafkaConsumerStep
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, EnvelopeError
 from .failures import park_failures
+from .revoke import DelayedControl
 from .settings import ConfigurationError, Settings
-from .store import DelayedStore, StoreUnavailable
+from .store import DelayedStore, StoreUnavailable, TaskInFlight, TaskNotScheduled
 
 __version__ = "0.1.0"
 
 __all__ = ["install", "store_of", "Settings", "ConfigurationError", "DelayedStore", "StoreUnavailable",
+           "TaskNotScheduled", "TaskInFlight", "DelayedControl",
            "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
 
 
 def install(app: Celery) -> Celery:
     """Enable celery-delayed on ``app``: ETA messages go to the store, workers read Kafka.
 
-    Uses Celery's documented extension points: the app's ``amqp_cls`` (wrapped,
-    so a custom AMQP class keeps working) and a consumer bootstep.  Safe to call
-    more than once.
+    Uses Celery's documented extension points: the app's ``amqp_cls`` and
+    ``control_cls`` (wrapped, so custom classes keep working; the control class
+    makes revoke durable, see :mod:`.revoke`) and a consumer bootstep.  Safe to
+    call more than once.
     """
-    base = symbol_by_name(app.amqp_cls)
-    if not issubclass(base, DelayedAMQP):
-        app.amqp_cls = DelayedAMQP if base is AMQP else type(f"Delayed{base.__name__}", (DelayedAMQP, base), {})
-        app.__dict__.pop("amqp", None)  # rebuilt from amqp_cls on next use
+    _extend_cls(app, "amqp", DelayedAMQP, AMQP)
+    _extend_cls(app, "control", DelayedControl, Control)
     if KafkaConsumerStep not in app.steps["consumer"]:
         app.steps["consumer"].add(KafkaConsumerStep)
     metrics.register_app(app)
@@ -44,6 +46,14 @@ def install(app: Celery) -> Celery:
         park_failures(app)
         app._delayed_failures_parked = True
     return app
+
+
+def _extend_cls(app: Celery, name: str, mixin: type, stock: type) -> None:
+    """Make ``app.<name>_cls`` a subclass of ``mixin`` (``mixin`` itself over Celery's ``stock`` class)."""
+    base = symbol_by_name(getattr(app, f"{name}_cls"))
+    if not issubclass(base, mixin):
+        setattr(app, f"{name}_cls", mixin if base is stock else type(f"Delayed{base.__name__}", (mixin, base), {}))
+        app.__dict__.pop(name, None)  # rebuilt from the class on next use
 
 
 def store_of(app: Celery) -> DelayedStore:

@@ -24,7 +24,8 @@ from . import store_of
 from .dlq import DeadLetterError, DeadLetters
 from .poller import Poller
 from .settings import ConfigurationError, Settings
-from .store import DelayedStore
+from .revoke import CANCELLED, IN_FLIGHT, UNKNOWN, cancel_scheduled
+from .store import MAX_PAGE, DelayedStore, StoreUnavailable
 
 console = Console()
 
@@ -69,23 +70,111 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
 
 @delayed.command(cls=CeleryCommand)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per partition).")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Per-partition counts of scheduled and in-flight tasks, and the next due time."""
-    counts = _load(ctx)[1].counts()
+    """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        counts, now_ms = store.counts(), store.now_ms()
     if as_json:
         click.echo(json.dumps(counts))
         return
-    table = Table("partition", "scheduled", "inflight", "next due")
-    now = time.time() * 1000
+    table = Table("partition", "scheduled", "inflight", "overdue", "oldest overdue", "next due")
     for row in counts:
-        due = row["next_due_ms"]
-        table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]),
-                      "-" if due is None else f"{(due - now) / 1000:+.1f} s")
-    table.add_row("all", str(sum(r["scheduled"] for r in counts)), str(sum(r["inflight"] for r in counts)), "",
-                  style="bold")
+        table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]), str(row["overdue"]),
+                      _overdue_age(row["oldest_overdue_s"]), _due_in(row["upcoming_due_ms"], now_ms))
+    ages = [r["oldest_overdue_s"] for r in counts if r["oldest_overdue_s"] is not None]
+    upcoming = [r["upcoming_due_ms"] for r in counts if r["upcoming_due_ms"] is not None]
+    table.add_row("all", *(str(sum(r[k] for r in counts)) for k in ("scheduled", "inflight", "overdue")),
+                  _overdue_age(max(ages, default=None)), _due_in(min(upcoming, default=None), now_ms), style="bold")
     console.print(table)
+
+
+@delayed.command(name="show", cls=CeleryCommand)
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def show_task(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """One task in the store: due time, task, queue, partition, state and its message's headers."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        info, now_ms = store.get(task_id), store.now_ms()
+    if info is None:
+        raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, already "
+                                   "dispatched, or cancelled)")
+    if as_json:
+        click.echo(json.dumps(info))
+        return
+    table = Table(show_header=False, box=None)
+    for key, value in info.items():
+        if key == "eta" and value is not None:
+            value = f"{value} ({_due_in(info['due_ms'], now_ms)})"
+        shown = json.dumps(value, indent=2) if isinstance(value, dict) else str(value)
+        table.add_row(Text(key, style="bold"), Text(shown))  # Text: never read as rich markup
+    console.print(table)
+
+
+@delayed.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.pass_context
+def cancel(ctx: click.Context, task_id: str) -> None:
+    """Cancel a scheduled task for good (as a revoke does): out of the store, marked REVOKED.
+
+    A task a poller is already dispatching is revoked in the workers instead.
+    """
+    app = ctx.obj.app
+    _load(ctx)
+    with _store_errors():
+        outcome = cancel_scheduled(app, [task_id])[task_id]
+        if outcome == IN_FLIGHT:
+            app.control.revoke(task_id)
+    if outcome == UNKNOWN:
+        raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
+                                   "or cancelled)")
+    click.echo(f"cancelled {task_id}" if outcome == CANCELLED
+               else f"{task_id} is being dispatched: revoke sent to the workers")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("--limit", type=click.IntRange(1, MAX_PAGE), default=20, show_default=True, help="Tasks shown.")
+@click.option("--after", metavar="CURSOR", default=None, help="Continue after a previous page (its cursor).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: {items, cursor}.")
+@click.pass_context
+def upcoming(ctx: click.Context, limit: int, after: str | None, as_json: bool) -> None:
+    """The next scheduled tasks across all partitions, soonest first."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        page, now_ms = store.upcoming(limit, after), store.now_ms()
+    if as_json:
+        click.echo(json.dumps({"items": page.items, "cursor": page.cursor}))
+        return
+    for item in page.items:  # one line per task, whole ids: easy to copy and to grep
+        click.echo(f"{item['eta']}  {_due_in(item['due_ms'], now_ms):>9}  {item['task_id']}  {item['task']}  "
+                   f"queue={item['queue']} partition={item['partition']}")
+    if page.cursor:
+        click.echo(f"next page: --after {page.cursor}")
+
+
+@contextmanager
+def _store_errors() -> Iterator[None]:
+    """An unreachable store or a bad argument is a one-line error, not a traceback."""
+    try:
+        yield
+    except (StoreUnavailable, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _due_in(due_ms: int | None, now_ms: int) -> str:
+    """``in 5m`` / ``12s ago`` relative to Redis' clock; ``-`` for no time."""
+    if due_ms is None:
+        return "-"
+    seconds = (due_ms - now_ms) / 1000
+    return f"in {_age(seconds)}" if seconds >= 0 else f"{_age(-seconds)} ago"
+
+
+def _overdue_age(seconds: float | None) -> str:
+    return "-" if seconds is None else _age(seconds)
 
 
 # -- dead-letter queue ---------------------------------------------------------

@@ -8,6 +8,10 @@ sender runs unchanged but with a producer whose ``publish`` writes the message
 (serialized exactly as kombu would) to the store instead of the broker.  So
 ``before_task_publish``/``after_task_publish`` and the ``task-sent`` event still
 fire with the ETA, and tasks without an ETA are untouched.
+
+A task whose ``expires`` is not after its ETA would only ever be revoked by the
+worker at its due time, as stock Celery does; it is not stored, and is recorded
+as REVOKED (reason ``expired``) at once instead.
 """
 from __future__ import annotations
 
@@ -17,13 +21,15 @@ from typing import Any
 from celery.app.amqp import AMQP
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
-from kombu.compression import compress
-from kombu.serialization import dumps
 from kombu.utils.objects import cached_property
 
-from .envelope import Envelope
+from .envelope import Envelope, EnvelopeError, deflate, serialize
+from .revoke import record_revoked
 from .settings import _TOPIC_CHARS, Settings
 from .store import DelayedStore
+
+#: Longest Kafka topic name.
+MAX_TOPIC_LENGTH = 249
 
 
 class DelayedPublishError(ValueError):
@@ -48,17 +54,33 @@ class DelayedAMQP(AMQP):
             due_ms = self.due_ms(message.headers)
             if due_ms is None or due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000:
                 return send(producer, name, message, **options)
-            queue = self._queue_name(options)
-            return send(_StoreProducer(producer, self, queue, due_ms), name, message, **options)
+            store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
+            sent = send(store_producer, name, message, **options)
+            if store_producer.expired:
+                record_revoked(self.app, store_producer.headers, store_producer.queue, "expired", expired=True)
+            return sent
 
         return send_task_message
 
     def due_ms(self, headers: dict) -> int | None:
-        """The message's ETA in ms since the epoch, by Celery's timezone rules (naive = UTC)."""
-        eta = headers.get("eta") if isinstance(headers, dict) else None
-        if not eta:
+        """The message's ETA in ms since the epoch, read as a stock worker reads it."""
+        return self.header_ms(headers, "eta")
+
+    def header_ms(self, headers: dict, name: str) -> int | None:
+        """A time header (``eta``/``expires``) in ms since the epoch.
+
+        Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
+        conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
+        say, an aware one is taken as it is.
+        """
+        value = headers.get(name) if isinstance(headers, dict) else None
+        if not value:
             return None
-        return int(maybe_make_aware(maybe_iso8601(eta)).timestamp() * 1000)
+        try:
+            when = maybe_make_aware(maybe_iso8601(value), self.app.conf.timezone)
+        except (TypeError, ValueError) as exc:
+            raise DelayedPublishError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
+        return int(when.timestamp() * 1000)
 
     def _queue_name(self, options: dict[str, Any]) -> str:
         """The Celery queue a message is routed to: that queue's Kafka topic carries it."""
@@ -75,20 +97,47 @@ class DelayedAMQP(AMQP):
             raise DelayedPublishError(f"no queue is bound to routing key {rkey!r}: cannot pick a Kafka topic")
         return self.app.conf.task_default_queue
 
+    def stored_form(self, envelope: Envelope) -> bytes:
+        """The bytes the store keeps for ``envelope``, after checking it can be stored and run.
+
+        Raises :class:`DelayedPublishError` when its queue cannot be a Kafka topic,
+        a header is not JSON data or the message exceeds ``delayed_max_message_bytes``
+        (measured before compression: it is what a worker will hold).
+        """
+        settings = self.delayed_settings
+        topic = settings.topic(envelope.queue)
+        if not envelope.queue or not _TOPIC_CHARS.match(envelope.queue) or len(topic) > MAX_TOPIC_LENGTH:
+            raise DelayedPublishError(
+                f"queue name {envelope.queue!r} cannot be a Kafka topic: use letters, digits, '.', '_', '-', "
+                f"at most {MAX_TOPIC_LENGTH - len(settings.topic_prefix)} of them")
+        try:
+            frame = envelope.encode()
+        except EnvelopeError as exc:
+            raise DelayedPublishError(str(exc)) from None
+        if len(frame) > settings.max_message_bytes:
+            raise DelayedPublishError(
+                f"task {envelope.task_name} [{envelope.task_id}] message is {len(frame)} bytes, "
+                f"over delayed_max_message_bytes={settings.max_message_bytes}")
+        return deflate(frame, settings.compress_min_bytes)
+
 
 class _StoreProducer:
     """Stands in for the kombu producer during one ``send_task_message`` call.
 
-    Its first ``publish`` (the task itself) goes to the store; later calls
-    (the ``task-sent`` event) and every other attribute go to the real producer.
+    Its first successful ``publish`` (the task itself) goes to the store; later
+    calls (the ``task-sent`` event) and every other attribute go to the real
+    producer.  A failed store write may be retried by Celery's publish retry:
+    it goes to the store again, never to the broker.
     """
 
     def __init__(self, producer: Any, amqp: DelayedAMQP, queue: str, due_ms: int) -> None:
         self._producer = producer
         self._amqp = amqp
-        self._queue = queue
         self._due_ms = due_ms
         self._stored = False
+        self.queue = queue
+        self.headers: dict[str, Any] = {}
+        self.expired = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
@@ -100,27 +149,18 @@ class _StoreProducer:
                                           serializer=serializer, headers=headers, compression=compression,
                                           content_type=content_type, content_encoding=content_encoding,
                                           **properties)
-        self._stored = True
-        settings = self._amqp.delayed_settings
-        if not _TOPIC_CHARS.match(self._queue) or not self._queue:
-            raise DelayedPublishError(
-                f"queue name {self._queue!r} cannot be a Kafka topic: use letters, digits, '.', '_', '-'")
-        headers = dict(headers or {})
-        content_type, content_encoding, data = dumps(body, serializer=serializer)
-        if isinstance(data, str):
-            data = data.encode(content_encoding or "utf-8")
-        if compression:
-            data, headers["compression"] = compress(data, compression)
+        self.headers = dict(headers or {})
+        data, content_type, content_encoding = serialize(body, serializer, compression, self.headers)
         envelope = Envelope(
-            task_id=headers["id"], queue=self._queue, headers=headers, body=data,
+            task_id=self.headers["id"], queue=self.queue, headers=self.headers, body=data,
             content_type=content_type, content_encoding=content_encoding,
             properties={k: properties[k] for k in ("correlation_id", "reply_to", "priority")
                         if properties.get(k) not in (None, "")},
             exchange=exchange if isinstance(exchange, str) else getattr(exchange, "name", "") or "",
             routing_key=routing_key or "")
-        encoded = envelope.encode()
-        if len(encoded) > settings.max_message_bytes:
-            raise DelayedPublishError(
-                f"task {envelope.task_name} [{envelope.task_id}] message is {len(encoded)} bytes, "
-                f"over delayed_max_message_bytes={settings.max_message_bytes}")
-        self._amqp.delayed_store.schedule_many([(envelope.task_id, self._due_ms, encoded)])
+        stored = self._amqp.stored_form(envelope)
+        expires_ms = self._amqp.header_ms(self.headers, "expires")
+        self.expired = expires_ms is not None and expires_ms <= self._due_ms
+        if not self.expired:
+            self._amqp.delayed_store.schedule_many([(envelope.task_id, self._due_ms, stored)])
+        self._stored = True

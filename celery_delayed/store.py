@@ -12,27 +12,48 @@ Every change touching more than one key is a Lua script from ``lua/``.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from importlib import resources
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sized
 
 import redis
 
-from .envelope import Envelope
+from .envelope import Envelope, deflate
 from .settings import Settings, redact_url
 
 #: Triples per schedule script call: big enough to amortise the round trip,
 #: small enough to keep each script's Redis stall well under a millisecond.
 SCHEDULE_CHUNK = 500
+#: Items grouped and sent per pipeline by :meth:`DelayedStore.schedule_many`.
+SCHEDULE_BATCH = SCHEDULE_CHUNK * 8
+#: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
+MAX_PAGE = 10_000
 
 
-class StoreUnavailable(ConnectionError):
-    """The delayed store's Redis could not be reached; nothing was written."""
+class StoreUnavailable(RuntimeError):
+    """The delayed store's Redis could not be reached; nothing was written.
+
+    Not an ``OSError``: Celery's ``send_task`` would turn one into kombu's
+    ``OperationalError``, as if the broker were down.
+    """
 
 
 class Fenced(RuntimeError):
     """A newer leader owns the partition: this poller must stop dispatching it."""
+
+
+class TaskNotScheduled(LookupError):
+    """The store holds no task with that id (never scheduled, or already dispatched)."""
+
+
+class TaskInFlight(RuntimeError):
+    """A poller is dispatching the task: the store can no longer change it."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +65,32 @@ class Claim:
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
 
 
+@dataclass(frozen=True)
+class Page:
+    """One page of :meth:`DelayedStore.upcoming`: tasks in due order, and where the next page starts."""
+
+    items: list[dict]
+    cursor: str | None  # pass as ``after`` for the next page; None when this was the last
+
+
 def partition_of(task_id: str, partitions: int) -> int:
     """Stable partition of a task id (CRC-32, identical in every process and version)."""
     return zlib.crc32(task_id.encode()) % partitions
+
+
+def due_ms_of(when: datetime | int) -> int:
+    """A due time in ms since the epoch: ``int`` ms as is, a datetime by Celery's rule (naive = UTC)."""
+    if isinstance(when, datetime):
+        aware = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+        return int(aware.timestamp() * 1000)
+    if isinstance(when, int) and not isinstance(when, bool):
+        return when
+    raise TypeError(f"a due time must be a datetime or int ms since the epoch, got {type(when).__name__}")
+
+
+def iso_of(ms: int | None) -> str | None:
+    """An ms timestamp as an ISO 8601 UTC time (None stays None)."""
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
 
 
 class DelayedStore:
@@ -57,7 +101,7 @@ class DelayedStore:
         self.redis = client or redis.Redis.from_url(settings.redis_url, health_check_interval=30)
         self.wake_channel = f"{settings.key_prefix}:wake"
         self._scripts = {name: self.redis.register_script(self.lua_source(name))
-                         for name in ("schedule", "claim", "ack", "nack", "cancel")}
+                         for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule")}
 
     @staticmethod
     def lua_source(name: str) -> str:
@@ -74,36 +118,94 @@ class DelayedStore:
     # -- scheduling ----------------------------------------------------------
     def schedule(self, envelope: Envelope, due_ms: int) -> bool:
         """Store one task due at ``due_ms``; False if its id was already scheduled."""
-        return self.schedule_many([(envelope.task_id, due_ms, envelope.encode())]) == 1
+        data = deflate(envelope.encode(), self.settings.compress_min_bytes)
+        return self.schedule_many([(envelope.task_id, due_ms, data)]) == 1
 
     def schedule_many(self, items: Iterable[tuple[str, int, bytes]],
                       progress: Callable[[int], None] | None = None) -> int:
         """Store ``(task_id, due_ms, envelope_bytes)`` items in bulk; returns how many were new.
 
-        Items are grouped by partition and sent in pipelined chunks; ``progress``
-        is called with the number of items handled after each flush.
+        ``items`` may be any iterable, millions long: it is consumed in batches of
+        :data:`SCHEDULE_BATCH`, each grouped by partition and sent as one pipeline
+        of schedule scripts; ``progress`` gets the number of items of each batch
+        once it is stored.  Past one batch, a helper thread sends each pipeline
+        while the next is grouped, so Python and Redis work at the same time.
+        A bad item raises ``ValueError`` naming it before its batch is written
+        (earlier batches stay stored); each task is stored whole or not at all.
         """
+        pipelines = self._schedule_pipelines(items)
+        if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
+            return sum(self._stored(self._execute(pipe), size, progress) for pipe, size in pipelines)
         added = 0
-        for batch in _chunks(items, SCHEDULE_CHUNK * 8):
+        with ThreadPoolExecutor(1, thread_name_prefix="delayed-schedule") as sender:
+            previous: tuple[Future, int] | None = None
+            for pipe, size in pipelines:
+                sending = (sender.submit(self._execute, pipe), size)
+                if previous is not None:
+                    added += self._stored(previous[0].result(), previous[1], progress)
+                previous = sending
+            if previous is not None:
+                added += self._stored(previous[0].result(), previous[1], progress)
+        return added
+
+    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]]
+                            ) -> Iterator[tuple[redis.client.Pipeline, int]]:
+        """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size."""
+        done = 0
+        for batch in _chunks(items, SCHEDULE_BATCH):
             by_partition: dict[int, list] = {}
-            for task_id, due_ms, data in batch:
-                by_partition.setdefault(self.partition(task_id), []).extend((task_id, int(due_ms), data))
+            for index, (task_id, due_ms, data) in enumerate(batch):
+                if type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id:
+                    # the slow path names the problem
+                    due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
+                by_partition.setdefault(self.partition(task_id), []).extend((task_id, due_ms, data))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 3):
                     self._scripts["schedule"](keys=[self.key(p, "due"), self.key(p, "msg")],
                                               args=[self.wake_channel, *flat[start:start + SCHEDULE_CHUNK * 3]],
                                               client=pipe)
-            added += sum(self._execute(pipe))
-            if progress:
-                progress(len(batch))
-        return added
+            done += len(batch)
+            yield pipe, len(batch)
+
+    @staticmethod
+    def _stored(replies: list[int], size: int, progress: Callable[[int], None] | None) -> int:
+        if progress:
+            progress(size)
+        return sum(replies)
 
     def cancel(self, task_id: str) -> int:
         """Remove a scheduled task: 1 cancelled, 0 unknown, -1 already being dispatched."""
-        p = self.partition(task_id)
-        return self._call("cancel", [self.key(p, "due"), self.key(p, "msg"), self.key(p, "inflight")], [task_id])
+        removed = self.cancel_many([task_id])[task_id]
+        return 1 if isinstance(removed, bytes) else removed
 
+    def cancel_many(self, task_ids: Iterable[str]) -> dict[str, bytes | int]:
+        """Remove scheduled tasks; per id its envelope when removed, 0 when unknown, -1 when in flight."""
+        ids = list(dict.fromkeys(task_ids))
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in ids:
+            p = self.partition(task_id)
+            self._scripts["cancel"](keys=[self.key(p, "due"), self.key(p, "msg"), self.key(p, "inflight")],
+                                    args=[task_id], client=pipe)
+        return dict(zip(ids, self._execute(pipe)))
+
+    def reschedule(self, task_id: str, due: datetime | int) -> int:
+        """Move a scheduled task to a new due time (a datetime, or ms since the epoch); returns the due ms.
+
+        Raises :class:`TaskNotScheduled` for an id the store does not hold and
+        :class:`TaskInFlight` for a task a poller is already dispatching.
+        """
+        due_ms = due_ms_of(due)
+        p = self.partition(task_id)
+        moved = self._call("reschedule", [self.key(p, "due"), self.key(p, "inflight")],
+                           [self.wake_channel, task_id, due_ms])
+        if moved == 0:
+            raise TaskNotScheduled(f"no scheduled task with id {task_id}")
+        if moved < 0:
+            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be rescheduled")
+        return due_ms
+
+    # -- inspection ------------------------------------------------------------
     def get(self, task_id: str) -> dict | None:
         """Where a task stands in the store, or None if the store does not hold it."""
         p = self.partition(task_id)
@@ -115,10 +217,86 @@ class DelayedStore:
         if data is None:
             return None
         envelope = Envelope.decode(data)
+        due_ms = int(due) if due is not None else None
         return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
                 "state": "inflight" if deadline is not None else "scheduled",
-                "due_ms": int(due) if due is not None else None,
-                "eta": envelope.headers.get("eta")}
+                "due_ms": due_ms, "eta": iso_of(due_ms),
+                "inflight_deadline_ms": int(deadline) if deadline is not None else None,
+                "expires": envelope.headers.get("expires"), "stored_bytes": len(data),
+                "headers": envelope.headers}
+
+    def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
+        """The next ``limit`` scheduled tasks across all partitions, in due order.
+
+        Each partition's next ``limit`` entries are read in one pipeline and merged
+        (ties in due time are ordered by task id, as within a sorted set).
+        ``after`` is the ``cursor`` of the previous page.  Items: ``task_id``,
+        ``due_ms``, ``eta``, ``partition``, ``task``, ``queue``; a task dispatched
+        between the two reads is left out.
+        """
+        if not 1 <= limit <= MAX_PAGE:
+            raise ValueError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
+        start_ms, skips = _parse_cursor(after, self.settings.partitions)
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):  # one more than a page: is there a next one?
+            if start_ms is None:
+                pipe.zrange(self.key(p, "due"), 0, limit, withscores=True)
+            else:
+                pipe.zrange(self.key(p, "due"), start_ms, "+inf", byscore=True, offset=skips.get(p, 0),
+                            num=limit + 1, withscores=True)
+        heads = [[(int(score), member, p) for member, score in rows] for p, rows in enumerate(self._execute(pipe))]
+        page = list(itertools.islice(heapq.merge(*heads), limit + 1))
+        cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
+        return Page(self._describe(page[:limit]), cursor)
+
+    def _describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
+        pipe = self.redis.pipeline(transaction=False)
+        for _, member, p in entries:
+            pipe.hget(self.key(p, "msg"), member)
+        items = []
+        for (due_ms, member, p), data in zip(entries, self._execute(pipe)):
+            if data is not None:
+                envelope = Envelope.decode(data)
+                items.append({"task_id": member.decode(), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
+                              "task": envelope.task_name, "queue": envelope.queue})
+        return items
+
+    def counts(self) -> list[dict]:
+        """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),
+        ``next_due_ms`` (its earliest task, overdue or not), ``oldest_overdue_s`` (how long that
+        one is past due, None when nothing is overdue) and ``upcoming_due_ms`` (the earliest
+        task not yet due)."""
+        now_ms = self.now_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            due = self.key(p, "due")
+            pipe.zcard(due)
+            pipe.zcard(self.key(p, "inflight"))
+            pipe.zcount(due, "-inf", now_ms)
+            pipe.zrange(due, 0, 0, withscores=True)
+            pipe.zrange(due, f"({now_ms}", "+inf", byscore=True, offset=0, num=1, withscores=True)
+        replies = self._execute(pipe)
+        rows = []
+        for p in range(self.settings.partitions):
+            scheduled, inflight, overdue, head, upcoming = replies[5 * p:5 * p + 5]
+            next_due = int(head[0][1]) if head else None
+            rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
+                         "next_due_ms": next_due,
+                         "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
+                         "upcoming_due_ms": int(upcoming[0][1]) if upcoming else None})
+        return rows
+
+    def overdue_count(self) -> int:
+        """Tasks whose due time has passed (by Redis' clock) but are still waiting."""
+        return sum(row["overdue"] for row in self.counts())
+
+    def now_ms(self) -> int:
+        """Redis' clock, the one every due comparison uses, in ms since the epoch."""
+        try:
+            seconds, micros = self.redis.time()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(self._unavailable(exc)) from exc
+        return seconds * 1000 + micros // 1000
 
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
@@ -142,27 +320,6 @@ class DelayedStore:
         """Return claimed tasks to due (their delivery failed), due again after ``delay_ms``."""
         return self._call("nack", [self.key(partition, "inflight"), self.key(partition, "due")],
                           [delay_ms, *task_ids])
-
-    def counts(self) -> list[dict]:
-        """Per-partition ``due``/``inflight`` sizes and the head's due time."""
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):
-            pipe.zcard(self.key(p, "due"))
-            pipe.zcard(self.key(p, "inflight"))
-            pipe.zrange(self.key(p, "due"), 0, 0, withscores=True)
-        replies = self._execute(pipe)
-        return [{"partition": p, "scheduled": replies[3 * p], "inflight": replies[3 * p + 1],
-                 "next_due_ms": int(replies[3 * p + 2][0][1]) if replies[3 * p + 2] else None}
-                for p in range(self.settings.partitions)]
-
-    def overdue_count(self) -> int:
-        """Tasks whose due time has passed (by Redis' clock) but are still waiting."""
-        seconds, micros = self.redis.time()
-        now_ms = seconds * 1000 + micros // 1000
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):
-            pipe.zcount(self.key(p, "due"), "-inf", now_ms)
-        return sum(self._execute(pipe))
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
@@ -190,3 +347,39 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
             batch = []
     if batch:
         yield batch
+
+
+def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int) -> int:
+    """The due ms of item ``index`` as an int; ``ValueError`` naming the item when it cannot be stored."""
+    if not isinstance(task_id, str) or not task_id:
+        raise ValueError(f"item {index}: task id must be a non-empty str, got {task_id!r}")
+    if not isinstance(due_ms, (int, float)) or isinstance(due_ms, bool) or not math.isfinite(due_ms):
+        raise ValueError(f"item {index} ({task_id}): due time must be ms since the epoch, got {due_ms!r}")
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"item {index} ({task_id}): message must be bytes, got {type(data).__name__}")
+    return int(due_ms)
+
+
+def _parse_cursor(cursor: str | None, partitions: int) -> tuple[int | None, dict[int, int]]:
+    """``(due ms, {partition: entries at that due time already returned})`` of a page cursor."""
+    if cursor is None:
+        return None, {}
+    try:
+        due, _, skips = cursor.partition(":")
+        parsed = {int(p): int(n) for p, n in (pair.split("=") for pair in skips.split(",") if pair)}
+        if any(not 0 <= p < partitions or n < 0 for p, n in parsed.items()):
+            raise ValueError(cursor)
+        return int(due), parsed
+    except ValueError:
+        raise ValueError(f"not a cursor of upcoming(): {cursor!r}") from None
+
+
+def _next_cursor(page: list[tuple[int, bytes, int]], start_ms: int | None, skips: dict[int, int]) -> str:
+    """The cursor after ``page``: its last due time, and per partition how many entries at that due
+    time were returned so far (the next page skips them)."""
+    last_ms = page[-1][0]
+    seen = dict(skips) if last_ms == start_ms else {}
+    for due_ms, _, p in page:
+        if due_ms == last_ms:
+            seen[p] = seen.get(p, 0) + 1
+    return f"{last_ms}:" + ",".join(f"{p}={n}" for p, n in sorted(seen.items()))

@@ -2,8 +2,10 @@
 
 Any setting can be overridden from the environment: ``DELAYED_FOO=bar`` sets
 ``delayed_foo`` and ``CELERY_FOO=bar`` sets ``foo`` (e.g. ``CELERY_BROKER_URL``),
-which is how docker/ and the tests configure the same project.
+which is how docker/ and the tests configure the same project; a value starting
+with ``[`` or ``{`` is read as a Python literal (a list or dict setting).
 """
+import ast
 import os
 
 broker_url = "redis://127.0.0.1:6379/1"
@@ -23,8 +25,15 @@ delayed_kafka_servers = "127.0.0.1:9092"
 delayed_etcd_endpoints = "http://127.0.0.1:2379"
 delayed_partitions = 8
 
+
+def _setting(value: str):
+    """An environment value as a setting: a list or dict when written as a Python literal
+    (e.g. ``CELERY_ACCEPT_CONTENT="['json', 'pickle']"``), else the string itself."""
+    return ast.literal_eval(value) if value[:1] in ("[", "{") else value
+
+
 for _name, _value in os.environ.items():
     if _name.startswith("DELAYED_"):
-        globals()[_name.lower()] = _value
+        globals()[_name.lower()] = _setting(_value)
     elif _name.startswith("CELERY_") and _name not in ("CELERY_CONFIG_MODULE",):
-        globals()[_name[len("CELERY_"):].lower()] = _value
+        globals()[_name[len("CELERY_"):].lower()] = _setting(_value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import datetime, timedelta, timezone
 
 import redis
 from celery import current_app, shared_task
@@ -56,4 +57,24 @@ def flaky(self, run: str, failures: int, countdown: float = 2.0) -> int:
     attempt = _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
     if attempt <= failures:
         raise self.retry(countdown=countdown, exc=RuntimeError(f"attempt {attempt} failed"))
+    return attempt
+
+
+@shared_task(name="tasks.demo.flaky_eta", bind=True, max_retries=5)
+def flaky_eta(self, run: str, failures: int, delay: float = 2.0) -> int:
+    """Like :func:`flaky`, but each retry is given an ``eta`` rather than a countdown."""
+    attempt = _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
+    if attempt <= failures:
+        raise self.retry(eta=datetime.now(timezone.utc) + timedelta(seconds=delay),
+                         exc=RuntimeError(f"attempt {attempt} failed"))
+    return attempt
+
+
+@shared_task(name="tasks.demo.flaky_auto", bind=True, autoretry_for=(RuntimeError,), retry_backoff=2,
+             retry_jitter=False, max_retries=5)
+def flaky_auto(self, run: str, failures: int) -> int:
+    """Fail ``failures`` times; Celery's ``autoretry_for`` retries with backoff (2 s, 4 s...) through the store."""
+    attempt = _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
+    if attempt <= failures:
+        raise RuntimeError(f"attempt {attempt} failed")
     return attempt

@@ -1,0 +1,88 @@
+"""Durable revoke: a revoked task that is still scheduled is taken out of the store.
+
+Celery's revoke is a broadcast that workers keep in memory, so a task due weeks
+later, or after every worker restarted, would run anyway.  :class:`DelayedControl`
+(the app's ``control_cls`` once :func:`celery_delayed.install` ran, so
+``AsyncResult.revoke``, ``app.control.revoke`` and Flower's revoke all go through
+it) first removes each id from the store for good and records it as REVOKED,
+as a worker would have; then it broadcasts Celery's revoke as usual, which
+covers a task already in flight (claimed by a poller, on Kafka, or in a worker).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from billiard.common import TERM_SIGNAME
+from celery import Celery
+from celery.app.control import Control
+from celery.app.task import Context
+from celery.utils.functional import maybe_list
+
+from .envelope import Envelope, EnvelopeError
+
+logger = logging.getLogger(__name__)
+
+#: Outcomes of :func:`cancel_scheduled`, per task id.
+CANCELLED, UNKNOWN, IN_FLIGHT = 1, 0, -1
+
+
+class DelayedControl(Control):
+    """Celery's remote control, with a revoke that also reaches the delayed store."""
+
+    def revoke(self, task_id: str | list[str], destination: Any = None, terminate: bool = False,
+               signal: str = TERM_SIGNAME, **kwargs: Any) -> Any:
+        """Take still-scheduled tasks out of the store for good, then broadcast Celery's revoke.
+
+        The broadcast goes out even when the store cannot be reached (the error
+        is raised after it), so workers still drop the task while they live.
+        """
+        try:
+            cancel_scheduled(self.app, maybe_list(task_id))
+        finally:
+            reply = super().revoke(task_id, destination=destination, terminate=terminate, signal=signal, **kwargs)
+        return reply
+
+
+def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
+    """Remove tasks from ``app``'s store, recording each one removed as REVOKED.
+
+    Returns, per id, :data:`CANCELLED`, :data:`UNKNOWN` (not in the store) or
+    :data:`IN_FLIGHT` (a poller is dispatching it: only a worker can drop it now).
+    """
+    outcomes = {}
+    for task_id, removed in app.amqp.delayed_store.cancel_many(task_ids).items():
+        outcomes[task_id] = CANCELLED if isinstance(removed, bytes) else removed
+        if isinstance(removed, bytes):
+            headers, queue = _headers_of(task_id, removed)
+            record_revoked(app, headers, queue, reason="revoked")
+    return outcomes
+
+
+def record_revoked(app: Celery, headers: dict[str, Any], queue: str | None, reason: str,
+                   expired: bool = False) -> None:
+    """Record a task that will never run as a worker records a revoked one.
+
+    The result backend gets REVOKED with ``reason`` (so ``AsyncResult.get()``
+    raises ``TaskRevokedError`` instead of waiting for ever) and, when task
+    events are on, a ``task-revoked`` event is sent for Flower.  A failure here
+    is logged, not raised: the task is already out of the store.
+    """
+    task_id = headers["id"]
+    request = Context(headers, delivery_info={"routing_key": queue})
+    try:
+        app.backend.mark_as_revoked(task_id, reason=reason, request=request)
+        if app.conf.task_send_sent_event or app.conf.worker_send_task_events:
+            with app.events.default_dispatcher() as dispatcher:
+                dispatcher.send("task-revoked", uuid=task_id, terminated=False, signum=None, expired=expired)
+    except Exception as exc:
+        logger.warning("task %s will not run (%s), but recording it as revoked failed: %r", task_id, reason, exc)
+
+
+def _headers_of(task_id: str, envelope: bytes) -> tuple[dict[str, Any], str | None]:
+    """The headers and queue of a removed task's envelope (just its id if it cannot be read)."""
+    try:
+        decoded = Envelope.decode(envelope)
+    except EnvelopeError:
+        return {"id": task_id}, None
+    return decoded.headers, decoded.queue

@@ -1,0 +1,128 @@
+"""The public store API on the real Redis: bulk scheduling, cancel, reschedule, get, upcoming, counts."""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from celery_delayed.settings import Settings
+from celery_delayed.store import MAX_PAGE, DelayedStore, TaskInFlight, TaskNotScheduled
+
+from .support import envelopes, wait_for
+
+
+@pytest.fixture
+def store(overrides) -> DelayedStore:
+    settings = Settings.from_mapping({"key_prefix": overrides["delayed_key_prefix"], "partitions": 4})
+    yield DelayedStore(settings)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_schedule_many_streams_a_generator_with_progress_and_keeps_first_copies(store):
+    n = 25_000
+    seen: list[int] = []
+    due = now_ms() + 3_600_000
+    assert store.schedule_many(envelopes(n, "q", due), progress=seen.append) == n
+    assert sum(seen) == n and len(seen) == -(-n // 4000)
+    assert sum(r["scheduled"] for r in store.counts()) == n
+    assert store.schedule_many(envelopes(10, "q", due + 5)) == 0  # same ids: the first copy stays
+    assert store.get("task-3")["due_ms"] == due
+    (_, _, first), (_, _, second) = envelopes(2, "q", 0, prefix="dup")
+    assert store.schedule_many([("dup", due, first), ("dup", due + 9, second), ("dup", due + 7, second)]) == 1
+    p = store.partition("dup")
+    assert store.get("dup")["due_ms"] == due and store.redis.hget(store.key(p, "msg"), "dup") == first
+
+
+def test_a_bad_item_stops_its_batch_before_anything_of_it_is_written(store):
+    items = list(envelopes(4005, "q", now_ms() + 60_000))
+    items[4003] = ("task-4003", "later", items[4003][2])
+    with pytest.raises(ValueError, match=r"item 4003 \(task-4003\): due time must be ms"):
+        store.schedule_many(items)
+    assert sum(r["scheduled"] for r in store.counts()) == 4000  # the first batch, whole
+
+
+def test_cancel_reschedule_and_get(store):
+    due = now_ms() + 60_000
+    store.schedule_many(envelopes(3, "q", due))
+    info = store.get("task-0")
+    assert (info["task"], info["queue"], info["state"], info["due_ms"]) == ("tasks.demo.add", "q", "scheduled", due)
+    assert info["eta"] == datetime.fromtimestamp(due / 1000, timezone.utc).isoformat(timespec="milliseconds")
+    assert info["headers"]["argsrepr"] == "(0, 0)" and info["partition"] == store.partition("task-0")
+
+    later = datetime(2031, 1, 2, 3, 4, 5)  # naive: UTC, as Celery reads it
+    assert store.reschedule("task-1", later) == int(later.replace(tzinfo=timezone.utc).timestamp() * 1000)
+    assert store.get("task-1")["eta"] == "2031-01-02T03:04:05.000+00:00"
+
+    assert store.cancel("task-0") == 1
+    assert store.get("task-0") is None and store.cancel("task-0") == 0
+    with pytest.raises(TaskNotScheduled, match="no scheduled task with id task-0"):
+        store.reschedule("task-0", due)
+
+    p = store.partition("task-2")
+    store.reschedule("task-2", now_ms() - 10)
+    claimed = store.claim(p, token=1, limit=10)
+    assert [item[0] for item in claimed.items] == ["task-2"] and store.get("task-2")["state"] == "inflight"
+    with pytest.raises(TaskInFlight, match="task task-2 is already being dispatched"):
+        store.reschedule("task-2", due)
+    assert store.cancel("task-2") == -1
+
+
+def test_reschedule_to_the_front_wakes_the_pollers(store):
+    store.schedule_many(envelopes(2, "q", now_ms() + 60_000))
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(store.wake_channel)
+    soon = now_ms() + 1000
+    store.reschedule("task-1", soon)
+    message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up message")
+    assert int(message["data"]) == soon
+    pubsub.close()
+
+
+def test_upcoming_pages_through_every_task_once_in_due_order_even_with_ties(store):
+    base = now_ms() + 60_000
+    store.schedule_many(envelopes(30, "q", base, prefix="tie"))  # 30 tasks due the same ms, all partitions
+    store.schedule_many([(f"t{i}", base + 1000 * (i % 7), data) for i, (_, _, data)
+                         in enumerate(envelopes(40, "q", 0, prefix="t"))])
+    expected = sorted(((base, f"tie-{i}") for i in range(30)), key=lambda e: (e[0], e[1].encode()))
+    expected = sorted(expected + [(base + 1000 * (i % 7), f"t{i}") for i in range(40)],
+                      key=lambda e: (e[0], e[1].encode()))
+    seen, cursor, pages = [], None, 0
+    while True:
+        page = store.upcoming(7, after=cursor)
+        seen += [(item["due_ms"], item["task_id"]) for item in page.items]
+        pages += 1
+        if page.cursor is None:
+            break
+        cursor = page.cursor
+    assert seen == expected and pages == 10
+    first = store.upcoming(1).items[0]
+    assert first["task"] == "tasks.demo.add" and first["queue"] == "q"
+    with pytest.raises(ValueError, match="limit must be between 1 and"):
+        store.upcoming(MAX_PAGE + 1)
+
+
+def test_counts_overdue_and_next_due(store):
+    now = now_ms()
+    store.schedule_many(envelopes(3, "q", now - 5000, prefix="late"))
+    store.schedule_many(envelopes(2, "q", now + 60_000, prefix="soon"))
+    rows = store.counts()
+    assert sum(r["overdue"] for r in rows) == 3 == store.overdue_count()
+    assert 4.5 < max(r["oldest_overdue_s"] or 0 for r in rows) < 30
+    assert min(r["upcoming_due_ms"] or 1 << 62 for r in rows) == now + 60_000
+    assert all(r["oldest_overdue_s"] is None for r in rows if not r["overdue"])
+
+
+def test_a_real_celery_message_takes_little_redis_memory(overrides):
+    from celery_delayed import store_of
+    from tasks import create_app
+
+    app = create_app(**overrides)
+    store = store_of(app)
+    result = app.tasks["tasks.demo.add"].apply_async((2, 2), countdown=3600)
+    info = store.get(result.id)
+    assert info["stored_bytes"] < 150  # Celery's own message is over 1 KB; the original form stored 576 B
+    assert store.redis.memory_usage(store.key(info["partition"], "msg")) < 400

@@ -1,0 +1,76 @@
+"""``celery -A tasks delayed status|show|cancel|upcoming`` as a user runs them (real subprocesses)."""
+from __future__ import annotations
+
+import json
+import time
+
+from celery import states
+
+from celery_delayed import store_of
+from tasks import create_app
+
+from .support import envelopes
+from .test_cli import celery
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_status_shows_overdue_tasks_their_age_and_the_next_due_time(overrides):
+    store = store_of(create_app(**overrides))
+    now = now_ms()
+    store.schedule_many(envelopes(3, "q", now - 90_000, prefix="late"))
+    store.schedule_many(envelopes(2, "q", now + 600_000, prefix="later"))
+
+    rows = json.loads(celery(overrides, "delayed", "status", "--json").stdout)
+    assert sum(r["overdue"] for r in rows) == 3 and sum(r["scheduled"] for r in rows) == 5
+    assert 89 < max(r["oldest_overdue_s"] or 0 for r in rows) < 120
+    assert min(r["upcoming_due_ms"] or 1 << 62 for r in rows) == now + 600_000
+
+    done = celery(overrides, "delayed", "status")
+    assert done.returncode == 0, done.stderr
+    total = next(line for line in done.stdout.splitlines() if "all" in line)
+    assert total.split("│")[1:6] == [" all       ", " 5         ", " 0        ", " 3       ", " 1m             "]
+    assert "in 9m" in total
+
+
+def test_show_cancel_and_upcoming(overrides):
+    app = create_app(**overrides)
+    add = app.tasks["tasks.demo.add"]
+    first = add.apply_async((1, 2), countdown=600)
+    second = add.apply_async((3, 4), countdown=1200)
+
+    shown = json.loads(celery(overrides, "delayed", "show", first.id, "--json").stdout)
+    queue = app.conf.task_default_queue
+    assert (shown["task"], shown["state"], shown["queue"]) == ("tasks.demo.add", "scheduled", queue)
+    assert shown["headers"]["argsrepr"] == "(1, 2)"
+    human = celery(overrides, "delayed", "show", first.id).stdout
+    assert "tasks.demo.add" in human and "in 9m" in human
+
+    page = json.loads(celery(overrides, "delayed", "upcoming", "--limit", "1", "--json").stdout)
+    assert [i["task_id"] for i in page["items"]] == [first.id] and page["cursor"]
+    rest = json.loads(celery(overrides, "delayed", "upcoming", "--after", page["cursor"], "--json").stdout)
+    assert [i["task_id"] for i in rest["items"]] == [second.id] and rest["cursor"] is None
+    listed = celery(overrides, "delayed", "upcoming", "--limit", "1")
+    line, more = listed.stdout.splitlines()
+    assert f"{first.id}  tasks.demo.add  queue={queue}" in line and "in 9m" in line
+    assert more == f"next page: --after {page['cursor']}"
+
+    done = celery(overrides, "delayed", "cancel", first.id)
+    assert done.returncode == 0 and done.stdout.strip() == f"cancelled {first.id}"
+    assert store_of(app).get(first.id) is None
+    assert app.backend.get_task_meta(first.id)["status"] == states.REVOKED
+
+    for args in (("show", first.id), ("cancel", first.id)):
+        missing = celery(overrides, "delayed", *args)
+        assert missing.returncode == 1 and f"no {'scheduled ' if args[0] == 'cancel' else ''}task with id {first.id}" \
+            in missing.stderr
+    bad = celery(overrides, "delayed", "upcoming", "--after", "nonsense")
+    assert bad.returncode == 1 and "not a cursor of upcoming()" in bad.stderr
+
+
+def test_an_unreachable_store_is_a_one_line_error(overrides):
+    done = celery(overrides, "delayed", "status", DELAYED_REDIS_URL="redis://127.0.0.1:1/0")
+    assert done.returncode == 1
+    assert "delayed store at redis://127.0.0.1:1/0 unavailable" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,75 @@
+"""Pure logic of the store API and the client: due times, cursors, item checks."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from celery import Celery
+from kombu.message import Message
+
+import celery_delayed
+from celery_delayed.client import DelayedPublishError
+from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor, due_ms_of
+
+
+def test_due_times_naive_is_utc():
+    aware = datetime(2030, 1, 1, 12, tzinfo=timezone(timedelta(hours=2)))
+    assert due_ms_of(aware) == int(aware.timestamp() * 1000)
+    assert due_ms_of(datetime(2030, 1, 1, 10)) == due_ms_of(aware)
+    assert due_ms_of(1_900_000_000_000) == 1_900_000_000_000
+    with pytest.raises(TypeError, match="datetime or int ms"):
+        due_ms_of("tomorrow")
+
+
+@pytest.mark.parametrize("conf", [{"enable_utc": True}, {"enable_utc": False, "timezone": "America/New_York"},
+                                  {"enable_utc": True, "timezone": "Asia/Kolkata"}])
+@pytest.mark.parametrize("eta", [datetime(2030, 6, 1, 8, 30), datetime(2030, 6, 1, 8, 30, tzinfo=timezone.utc),
+                                 datetime(2030, 6, 1, 8, 30, tzinfo=timezone(timedelta(hours=-3)))])
+def test_the_client_reads_an_eta_as_a_stock_worker_does(conf, eta):
+    """The due time equals the ETA a Celery worker's Request computes from the same message."""
+    from celery.worker.request import Request
+
+    app = celery_delayed.install(Celery("t", set_as_current=False))
+    app.conf.update(conf)
+    headers, properties, body, _ = app.amqp.create_task_message("id-1", "t.add", (1, 2), {}, eta=eta)
+    message = Message(body=b'[[1, 2], {}, {}]', headers=headers, content_type="application/json",
+                      content_encoding="utf-8", properties=properties, delivery_info={})
+    request = Request(message, app=app, task=app.tasks["celery.backend_cleanup"])
+    assert app.amqp.due_ms(headers) == int(request.eta.timestamp() * 1000)
+
+
+def test_a_malformed_eta_is_a_clear_error():
+    app = celery_delayed.install(Celery("t", set_as_current=False))
+    with pytest.raises(DelayedPublishError, match="eta 'tomorrow' is not an ISO 8601 time"):
+        app.amqp.due_ms({"eta": "tomorrow"})
+
+
+@pytest.mark.parametrize("item, words", [
+    (("", 1, b"\x01x"), "item 7: task id must be a non-empty str"),
+    (("a", "soon", b"\x01x"), r"item 7 \(a\): due time must be ms"),
+    (("a", float("nan"), b"\x01x"), "due time must be ms"),
+    (("a", True, b"\x01x"), "due time must be ms"),
+    (("a", 1, "text"), "message must be bytes, got str"),
+])
+def test_bad_items_are_named(item, words):
+    with pytest.raises(ValueError, match=words):
+        _checked_due_ms(*item, index=7)
+
+
+def test_float_due_times_are_accepted():
+    assert _checked_due_ms("a", 1.9e12, b"\x02z", 0) == 1_900_000_000_000
+
+
+def test_cursor_round_trip_and_ties():
+    page = [(5, b"a", 0), (7, b"b", 1), (7, b"c", 3), (7, b"d", 1)]
+    cursor = _next_cursor(page, None, {})
+    assert cursor == "7:1=2,3=1"
+    assert _parse_cursor(cursor, 4) == (7, {1: 2, 3: 1})
+    assert _next_cursor([(7, b"e", 1)], 7, {1: 2, 3: 1}) == "7:1=3,3=1"  # still the same due time
+    assert _next_cursor([(9, b"f", 2)], 7, {1: 2}) == "9:2=1"
+
+
+@pytest.mark.parametrize("cursor", ["", "x:1=2", "5:1", "5:9=1", "5:1=-1"])
+def test_bad_cursors_are_refused(cursor):
+    with pytest.raises(ValueError, match="not a cursor of upcoming"):
+        _parse_cursor(cursor, 4)

@@ -111,6 +111,10 @@ class KafkaFeed:
     def start(self) -> None:
         if self.c.hub is None:
             raise RuntimeError("celery-delayed needs a worker with an event loop (a Redis or AMQP broker)")
+        conf = self.c.app.conf
+        if not (conf.task_acks_late and conf.task_reject_on_worker_lost):
+            logger.warning("task_acks_late and task_reject_on_worker_lost are not both on: a task is "
+                           "acknowledged when it starts, so a worker killed mid-task loses it")
         ensure_topics(self.settings, self.queues)
         self._consumer = Consumer(self.settings.kafka(**{
             "group.id": self.settings.consumer_group,

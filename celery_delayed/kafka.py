@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from .settings import Settings
 
@@ -47,24 +47,23 @@ def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30
                 raise
 
 
-def consumer_lag(settings: Settings, admin: AdminClient | None = None, timeout: float = 5.0) -> dict[str, int]:
-    """Records not yet committed by the workers' group, per queue (latest offset - committed)."""
-    admin = admin or AdminClient(settings.kafka())
-    group = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(settings.consumer_group)],
-                                              request_timeout=timeout)
-    committed = {(tp.topic, tp.partition): tp.offset
-                 for tp in group[settings.consumer_group].result().topic_partitions or []
-                 if tp.topic.startswith(settings.topic_prefix)}
-    topics = admin.list_topics(timeout=timeout).topics
-    partitions = [TopicPartition(name, p) for name, meta in topics.items()
-                  if name.startswith(settings.topic_prefix) for p in meta.partitions]
-    if not partitions:
-        return {}
-    latest = admin.list_offsets({tp: OffsetSpec.latest() for tp in partitions}, request_timeout=timeout)
-    lag: dict[str, int] = {}
-    for tp, future in latest.items():
-        queue = tp.topic[len(settings.topic_prefix):]
-        end = future.result().offset
-        done = committed.get((tp.topic, tp.partition), -1)
-        lag[queue] = lag.get(queue, 0) + max(0, end - max(done, 0))
-    return lag
+def consumer_lag(settings: Settings, timeout: float = 5.0) -> dict[str, int]:
+    """Records not yet committed by the workers' group, per queue (latest offset - committed).
+
+    Read with a consumer that never joins the group (``committed`` and watermark
+    offsets only).  Not AdminClient.list_consumer_group_offsets: confluent-kafka
+    2.16 crashes the process (SIGSEGV) on it while the group coordinator loads.
+    """
+    probe = Consumer(settings.kafka(**{"group.id": settings.consumer_group, "enable.auto.commit": False}))
+    try:
+        topics = probe.list_topics(timeout=timeout).topics
+        partitions = [TopicPartition(name, p) for name, meta in topics.items()
+                      if name.startswith(settings.topic_prefix) for p in meta.partitions]
+        lag: dict[str, int] = {}
+        for tp in probe.committed(partitions, timeout=timeout) if partitions else []:
+            queue = tp.topic[len(settings.topic_prefix):]
+            _, end = probe.get_watermark_offsets(tp, timeout=timeout)
+            lag[queue] = lag.get(queue, 0) + max(0, end - max(tp.offset, 0))
+        return lag
+    finally:
+        probe.close()

@@ -35,6 +35,10 @@ class StoreCollector(Collector):
     def __init__(self, app) -> None:
         self.app = app
 
+    def describe(self) -> list:
+        """Nothing: without it prometheus_client would collect (read Redis and Kafka) at registration."""
+        return []
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         up = GaugeMetricFamily("celery_delayed_store_up", "1 when the delayed store answered this scrape")
         try:

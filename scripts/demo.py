@@ -115,15 +115,18 @@ def main() -> int:
 
 def _wait_for_worker(settings, timeout: float = 60.0) -> None:
     """Wait until the worker has joined its Kafka consumer group (so the first tasks are not late)."""
-    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka import ConsumerGroupState, KafkaException
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient(settings.kafka())
     deadline = time.time() + timeout
     with console.status("waiting for the worker to join its Kafka consumer group"):
         while time.time() < deadline:
-            group = admin.describe_consumer_groups([settings.consumer_group])[settings.consumer_group].result()
-            if group.state == ConsumerGroupState.STABLE and group.members:
+            try:
+                group = admin.describe_consumer_groups([settings.consumer_group])[settings.consumer_group].result()
+            except KafkaException:  # a broker just started is still loading its group coordinator
+                group = None
+            if group is not None and group.state == ConsumerGroupState.STABLE and group.members:
                 return
             time.sleep(0.5)
     raise SystemExit(f"the worker did not join Kafka group {settings.consumer_group} in {timeout:.0f} s")

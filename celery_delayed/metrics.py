@@ -7,7 +7,6 @@ on an app that imports celery_delayed shows these too.  Store-wide gauges
 from __future__ import annotations
 
 import logging
-import time
 from typing import Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -60,23 +59,22 @@ class StoreCollector(Collector):
     def _families(store) -> Iterator[GaugeMetricFamily]:
         from .dlq import DeadLetters
 
-        now_ms = time.time() * 1000
         scheduled = GaugeMetricFamily("celery_delayed_scheduled", "Tasks waiting in the store", labels=["partition"])
         inflight = GaugeMetricFamily("celery_delayed_inflight", "Tasks claimed, awaiting Kafka's confirmation",
                                      labels=["partition"])
+        overdue = GaugeMetricFamily("celery_delayed_overdue", "Tasks past their due time still in the store",
+                                    labels=["partition"])
         overdue_age = GaugeMetricFamily("celery_delayed_oldest_overdue_seconds",
                                         "How long the oldest task past its due time has waited", labels=["partition"])
-        for row in store.counts():
+        for row in store.counts():  # one read of the store, by Redis' clock
             p = str(row["partition"])
             scheduled.add_metric([p], row["scheduled"])
             inflight.add_metric([p], row["inflight"])
-            due = row["next_due_ms"]
-            overdue_age.add_metric([p], max(0.0, (now_ms - due) / 1000) if due is not None else 0.0)
-        overdue = GaugeMetricFamily("celery_delayed_overdue", "Tasks past their due time still in the store")
-        overdue.add_metric([], store.overdue_count())
+            overdue.add_metric([p], row["overdue"])
+            overdue_age.add_metric([p], row["oldest_overdue_s"] or 0.0)
         dead = GaugeMetricFamily("celery_delayed_dead_letters", "Messages in the dead-letter queue")
         dead.add_metric([], DeadLetters(store).count())
-        yield from (scheduled, inflight, overdue_age, overdue, dead)
+        yield from (scheduled, inflight, overdue, overdue_age, dead)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
         from .kafka import consumer_lag

@@ -89,7 +89,7 @@ class Poller:
         self._clock_offset_ms = 0  # Redis clock minus local clock
 
     # -- lifecycle -----------------------------------------------------------
-    def run(self, on_dispatch: Callable[[int], None] | None = None) -> None:
+    def run(self) -> None:
         """Dispatch until :meth:`stop`; then hand the batch in hand to Kafka and resign."""
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
@@ -102,8 +102,6 @@ class Poller:
         try:
             while not self._stopping.is_set():
                 dispatched = self.tick()
-                if on_dispatch and dispatched:
-                    on_dispatch(dispatched)
                 if not dispatched or self._limit.wait_time():
                     self._sleep()
         finally:

@@ -286,10 +286,6 @@ class DelayedStore:
                          "upcoming_due_ms": int(upcoming[0][1]) if upcoming else None})
         return rows
 
-    def overdue_count(self) -> int:
-        """Tasks whose due time has passed (by Redis' clock) but are still waiting."""
-        return sum(row["overdue"] for row in self.counts())
-
     def now_ms(self) -> int:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
         try:

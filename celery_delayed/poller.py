@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 #: What a Redis call of the store may raise: the loop logs it and goes on.
 STORE_ERRORS = (redis.RedisError, StoreUnavailable)
+#: Delivery errors about the message itself: retrying cannot help, so it goes to the
+#: dead-letter queue.  Every other error (timeouts, outages, authorisation) returns
+#: the task to due and is retried, however long that takes.
+REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
+                     KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 #: "Nothing scheduled" as a due time.
 NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
@@ -81,6 +86,8 @@ class Poller:
         self._topics: set[str] = set()
         self._reports: list[tuple[int, str, int, KafkaError | None]] = []
         self._in_flight: dict[str, tuple[int, int]] = {}  # task id -> (partition, due ms) until reported
+        self._suspects: list[tuple[int, str, int | None, str, bytes]] = []  # in a batch Kafka refused
+        self._alone: str | None = None  # the task being sent on its own
         self._pending = 0
         self._next_due: dict[int, float] = {}  # partition -> next due ms (Redis clock); absent = unknown
         self._last_sweep = 0.0
@@ -205,7 +212,27 @@ class Poller:
         """
         task_id = msg.key().decode()
         partition, due_ms = self._in_flight.pop(task_id, (self.store.partition(task_id), None))
+        if err is not None and err.code() in REFUSED:
+            # The broker refuses whole batches: this message may only have shared one with the
+            # culprit.  Sent alone and refused again, it is the culprit: park it.
+            self._pending -= 1
+            if task_id == self._alone:
+                self._dead_letter(partition, task_id, msg.value(), f"Kafka refused the message: {err}")
+            else:
+                self._suspects.append((partition, task_id, due_ms, msg.topic(), msg.value()))
+            return
         self._reports.append((partition, task_id, due_ms, err))
+
+    def _send_suspects_alone(self) -> None:
+        """Produce each message of a refused batch on its own, so only the culprit is parked."""
+        suspects, self._suspects = self._suspects, []
+        for partition, task_id, due_ms, topic, data in suspects:
+            self._alone = task_id
+            self._in_flight[task_id] = (partition, due_ms)
+            self._pending += 1
+            self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
+            self.producer.flush(10)
+        self._alone = None
 
     def _settle(self, action: Callable[[int, list[str]], int], partition: int, task_ids: list[str]) -> bool:
         """Ack or nack in the store; on a Redis error the tasks stay in flight and return after the
@@ -223,6 +250,8 @@ class Poller:
             self.producer.flush(timeout)
         else:
             self.producer.poll(0)
+        if self._suspects:
+            self._send_suspects_alone()
         if not self._reports:
             return
         reports, self._reports = self._reports, []

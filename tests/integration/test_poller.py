@@ -1,11 +1,15 @@
 """The poller under failure, with real pollers as OS processes and real etcd, Redis and Kafka."""
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
 
+from confluent_kafka.admin import AdminClient, NewTopic
+
 from celery_delayed.dlq import DeadLetters
+from celery_delayed.envelope import Envelope
 from celery_delayed.leadership import Leadership, make_etcd
 from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
@@ -211,3 +215,23 @@ def test_poller_metrics_endpoint(overrides, processes):
     assert sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("celery_delayed_scheduled{")) == 5
     assert 'celery_delayed_leading{partition="0"} 1.0' in text
+
+
+def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processes):
+    settings = settings_for(overrides, partitions=1)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    topic = settings.topic(queue)
+    admin = AdminClient(settings.kafka())
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[topic].result()
+    big = Envelope(task_id="big", queue=queue, headers={"task": "tasks.demo.add", "id": "big"},
+                   body=base64.b64encode(os.urandom(3000)), content_type="application/json",
+                   content_encoding="utf-8").encode()
+    store.schedule_many([("big", now_ms(), big), *envelopes(5, queue, now_ms())])
+    reader = TopicReader(settings, topic)
+    processes.poller()
+    assert len(reader.read_until(5, timeout=30)) == 5
+    reader.close()
+    letter = wait_for(lambda: DeadLetters(store).get("big"), 30, "the refused message in the dead-letter queue")
+    assert "Kafka refused the message" in letter.reason and letter.message == big
+    wait_for(lambda: store.get("big") is None, 10, "the refused message to leave the store")

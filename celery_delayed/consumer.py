@@ -282,7 +282,7 @@ class KafkaFeed:
         wait_ms = self.claims.acquire(task_id)
         if wait_ms:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()
-            self.store.schedule_many([(task_id, int(time.time() * 1000) + wait_ms, record.value())])
+            self._put_back(task_id, record.value(), wait_ms)
             self._settle(partition, offset)
             return
         self._in_hand.add(task_id)
@@ -304,7 +304,7 @@ class KafkaFeed:
             self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
                 try:
-                    self.store.schedule_many([(task_id, int(time.time() * 1000), record.value())])
+                    self._put_back(task_id, record.value())
                 except TRANSIENT as exc:  # unsettled, the record is read again after a restart
                     logger.error("task %s could not be requeued (%s); left uncommitted", task_id, exc)
                     return
@@ -315,6 +315,10 @@ class KafkaFeed:
         except Exception:
             self._release(task_id)
             raise
+
+    def _put_back(self, task_id: str, data: bytes, delay_ms: int = 0) -> None:
+        """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers')."""
+        self.store.schedule_many([(task_id, self.store.now_ms() + delay_ms, data)])
 
     def _release(self, task_id: str) -> None:
         self._in_hand.discard(task_id)

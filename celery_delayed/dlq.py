@@ -120,7 +120,7 @@ class DeadLetters:
         data = self.store.redis.hget(self.keys[0], task_id)
         if data is None:
             return False
-        self._send_back([(task_id, data, _requeueable(task_id, data))], self._now_ms(), backend)
+        self._send_back([(task_id, data, _requeueable(task_id, data))], self.store.now_ms(), backend)
         return True
 
     def requeue_all(self, backend: ResultBackend | None = None,
@@ -130,7 +130,7 @@ class DeadLetters:
         Records that cannot be requeued stay in the queue; ``report`` is told of
         each task id with None (requeued) or the error that kept it.
         """
-        now_ms = self._now_ms()
+        now_ms = self.store.now_ms()
         requeued = kept = 0
         while ids := self._parked_before(now_ms, skip=kept):
             batch, outcomes = [], []
@@ -171,11 +171,6 @@ class DeadLetters:
         for task_id, record, _ in records:
             self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id, record], client=pipe)
         pipe.execute()
-
-    def _now_ms(self) -> int:
-        """Redis' clock, the one pollers claim by, so "due now" is now for them too."""
-        seconds, micros = self.store.redis.time()
-        return seconds * 1000 + micros // 1000
 
     # -- purge ---------------------------------------------------------------
     def purge(self, task_id: str) -> bool:

@@ -71,7 +71,7 @@ def capture_template(partitions: int) -> Envelope:
     store = store_of(app)
     try:
         result = app.tasks["tasks.demo.add"].apply_async((2, 2), countdown=3600)
-        data = store.redis.hget(store.key(store.partition(result.id), "msg"), result.id)
+        data = store.message(result.id)
         if not isinstance(data, bytes):
             raise RuntimeError("the captured countdown task is not in the delayed store")
         store.cancel(result.id)

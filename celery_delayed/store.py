@@ -3,10 +3,20 @@
 Layout per partition ``p`` (the ``{p}`` hash tag keeps a partition's keys in one
 Redis Cluster slot):
 
-- ``<prefix>:{p}:due``      ZSET task_id -> due time (ms since the epoch)
-- ``<prefix>:{p}:msg``      HASH task_id -> envelope (see :mod:`.envelope`)
-- ``<prefix>:{p}:inflight`` ZSET task_id -> visibility deadline (ms)
+- ``<prefix>:{p}:t:<start>`` ZSET id -> due time (ms since the epoch) of the tasks
+  due in the :data:`BUCKET_SECONDS` long bucket starting at ``<start>`` (s)
+- ``<prefix>:{p}:buckets``  ZSET bucket start -> earliest due time in that bucket
+- ``<prefix>:{p}:msg``      HASH id -> 4-byte bucket start + envelope (:mod:`.envelope`)
+- ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms)
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
+
+Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
+list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
+tasks is one compact listpack, ~30 B per task.  Ten-second buckets hold a
+partition's tasks that way up to ~12 tasks/s of due times per partition
+(~17M a day with 16 partitions); a denser bucket is an ordinary sorted set.
+Ids are stored as their 16 bytes when they are canonical UUIDs (Celery's
+default), saving ~40 B more per task (:func:`member_of`).
 
 Every change touching more than one key is a Lua script from ``lua/``.
 """
@@ -15,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import struct
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +45,9 @@ SCHEDULE_CHUNK = 500
 SCHEDULE_BATCH = SCHEDULE_CHUNK * 8
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
+#: Width of the time buckets (see the module docstring).  Part of the stored
+#: layout: every process of a deployment must use the same value.
+BUCKET_SECONDS = 10
 
 
 class StoreUnavailable(RuntimeError):
@@ -78,6 +92,30 @@ def partition_of(task_id: str, partitions: int) -> int:
     return zlib.crc32(task_id.encode()) % partitions
 
 
+def member_of(task_id: str) -> bytes:
+    """The stored form of a task id: the 16 bytes of a canonical (lower-case, hyphenated) UUID,
+    else its UTF-8, escaped by a leading NUL when it could be mistaken for one (16 bytes
+    long, or starting with NUL) — so every id has exactly one form and back."""
+    if len(task_id) == 36 and task_id[8] == task_id[13] == task_id[18] == task_id[23] == "-":
+        digits = task_id.replace("-", "")
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raw = b""
+        if len(raw) == 16 and raw.hex() == digits:
+            return raw
+    encoded = task_id.encode()
+    return b"\0" + encoded if len(encoded) == 16 or encoded[:1] == b"\0" else encoded
+
+
+def task_id_of(member: bytes) -> str:
+    """The task id of a stored member (the inverse of :func:`member_of`)."""
+    if len(member) == 16:
+        raw = member.hex()
+        return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
+    return (member[1:] if member[:1] == b"\0" else member).decode()
+
+
 def due_ms_of(when: datetime | int) -> int:
     """A due time in ms since the epoch: ``int`` ms as is, a datetime by Celery's rule (naive = UTC)."""
     if isinstance(when, datetime):
@@ -101,7 +139,8 @@ class DelayedStore:
         self.redis = client or redis.Redis.from_url(settings.redis_url, health_check_interval=30)
         self.wake_channel = f"{settings.key_prefix}:wake"
         self._scripts = {name: self.redis.register_script(self.lua_source(name))
-                         for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule")}
+                         for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
+                                      "counts")}
 
     @staticmethod
     def lua_source(name: str) -> str:
@@ -114,6 +153,10 @@ class DelayedStore:
 
     def key(self, partition: int, name: str) -> str:
         return f"{self.settings.key_prefix}:{{{partition}}}:{name}"
+
+    def _keys(self, partition: int) -> list[str]:
+        """The bucket index, message hash and inflight set of a partition (most scripts' KEYS)."""
+        return [self.key(partition, "buckets"), self.key(partition, "msg"), self.key(partition, "inflight")]
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self, envelope: Envelope, due_ms: int) -> bool:
@@ -158,12 +201,13 @@ class DelayedStore:
                 if type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id:
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
-                by_partition.setdefault(self.partition(task_id), []).extend((task_id, due_ms, data))
+                by_partition.setdefault(self.partition(task_id), []).extend((member_of(task_id), due_ms, data))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 3):
-                    self._scripts["schedule"](keys=[self.key(p, "due"), self.key(p, "msg")],
-                                              args=[self.wake_channel, *flat[start:start + SCHEDULE_CHUNK * 3]],
+                    self._scripts["schedule"](keys=self._keys(p)[:2],
+                                              args=[self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS,
+                                                    *flat[start:start + SCHEDULE_CHUNK * 3]],
                                               client=pipe)
             done += len(batch)
             yield pipe, len(batch)
@@ -185,8 +229,7 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         for task_id in ids:
             p = self.partition(task_id)
-            self._scripts["cancel"](keys=[self.key(p, "due"), self.key(p, "msg"), self.key(p, "inflight")],
-                                    args=[task_id], client=pipe)
+            self._scripts["cancel"](keys=self._keys(p), args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
         return dict(zip(ids, self._execute(pipe)))
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
@@ -197,8 +240,8 @@ class DelayedStore:
         """
         due_ms = due_ms_of(due)
         p = self.partition(task_id)
-        moved = self._call("reschedule", [self.key(p, "due"), self.key(p, "inflight")],
-                           [self.wake_channel, task_id, due_ms])
+        moved = self._call("reschedule", self._keys(p),
+                           [self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS, member_of(task_id), due_ms])
         if moved == 0:
             raise TaskNotScheduled(f"no scheduled task with id {task_id}")
         if moved < 0:
@@ -208,15 +251,18 @@ class DelayedStore:
     # -- inspection ------------------------------------------------------------
     def get(self, task_id: str) -> dict | None:
         """Where a task stands in the store, or None if the store does not hold it."""
-        p = self.partition(task_id)
+        p, member = self.partition(task_id), member_of(task_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zscore(self.key(p, "due"), task_id)
-        pipe.zscore(self.key(p, "inflight"), task_id)
-        pipe.hget(self.key(p, "msg"), task_id)
-        due, deadline, data = self._execute(pipe)
-        if data is None:
+        pipe.hget(self.key(p, "msg"), member)
+        pipe.zscore(self.key(p, "inflight"), member)
+        stored, deadline = self._execute(pipe)
+        if stored is None:
             return None
+        data = stored[4:]
         envelope = Envelope.decode(data)
+        due = None
+        if deadline is None:
+            due = self._call_redis(self.redis.zscore, self.key(p, f"t:{struct.unpack('>I', stored[:4])[0]}"), member)
         due_ms = int(due) if due is not None else None
         return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
                 "state": "inflight" if deadline is not None else "scheduled",
@@ -224,6 +270,11 @@ class DelayedStore:
                 "inflight_deadline_ms": int(deadline) if deadline is not None else None,
                 "expires": envelope.headers.get("expires"), "stored_bytes": len(data),
                 "headers": envelope.headers}
+
+    def message(self, task_id: str) -> bytes | None:
+        """The stored envelope of a task (scheduled or in flight), or None."""
+        stored = self._call_redis(self.redis.hget, self.key(self.partition(task_id), "msg"), member_of(task_id))
+        return None if stored is None else stored[4:]
 
     def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
         """The next ``limit`` scheduled tasks across all partitions, in due order.
@@ -239,12 +290,11 @@ class DelayedStore:
         start_ms, skips = _parse_cursor(after, self.settings.partitions)
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):  # one more than a page: is there a next one?
-            if start_ms is None:
-                pipe.zrange(self.key(p, "due"), 0, limit, withscores=True)
-            else:
-                pipe.zrange(self.key(p, "due"), start_ms, "+inf", byscore=True, offset=skips.get(p, 0),
-                            num=limit + 1, withscores=True)
-        heads = [[(int(score), member, p) for member, score in rows] for p, rows in enumerate(self._execute(pipe))]
+            self._scripts["upcoming"](keys=self._keys(p)[:1],
+                                      args=[self.key(p, "t:"), BUCKET_SECONDS, "" if start_ms is None else start_ms,
+                                            skips.get(p, 0), limit + 1], client=pipe)
+        heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
+                 for p, rows in enumerate(self._execute(pipe))]
         page = list(itertools.islice(heapq.merge(*heads), limit + 1))
         cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
         return Page(self._describe(page[:limit]), cursor)
@@ -254,10 +304,10 @@ class DelayedStore:
         for _, member, p in entries:
             pipe.hget(self.key(p, "msg"), member)
         items = []
-        for (due_ms, member, p), data in zip(entries, self._execute(pipe)):
-            if data is not None:
-                envelope = Envelope.decode(data)
-                items.append({"task_id": member.decode(), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
+        for (due_ms, member, p), stored in zip(entries, self._execute(pipe)):
+            if stored is not None:
+                envelope = Envelope.decode(stored[4:])
+                items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
                               "task": envelope.task_name, "queue": envelope.queue})
         return items
 
@@ -269,21 +319,13 @@ class DelayedStore:
         now_ms = self.now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            due = self.key(p, "due")
-            pipe.zcard(due)
-            pipe.zcard(self.key(p, "inflight"))
-            pipe.zcount(due, "-inf", now_ms)
-            pipe.zrange(due, 0, 0, withscores=True)
-            pipe.zrange(due, f"({now_ms}", "+inf", byscore=True, offset=0, num=1, withscores=True)
-        replies = self._execute(pipe)
+            self._scripts["counts"](keys=self._keys(p), args=[self.key(p, "t:"), now_ms], client=pipe)
         rows = []
-        for p in range(self.settings.partitions):
-            scheduled, inflight, overdue, head, upcoming = replies[5 * p:5 * p + 5]
-            next_due = int(head[0][1]) if head else None
+        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self._execute(pipe)):
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
-                         "next_due_ms": next_due,
+                         "next_due_ms": next_due if next_due >= 0 else None,
                          "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
-                         "upcoming_due_ms": int(upcoming[0][1]) if upcoming else None})
+                         "upcoming_due_ms": upcoming if upcoming >= 0 else None})
         return rows
 
     def now_ms(self) -> int:
@@ -297,38 +339,41 @@ class DelayedStore:
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
         """Move up to ``limit`` due tasks of ``partition`` to inflight and return them."""
-        keys = [self.key(partition, n) for n in ("due", "msg", "inflight", "fence")]
+        keys = [*self._keys(partition), self.key(partition, "fence")]
         try:
-            reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000)])
+            reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
+                                               self.key(partition, "t:"), BUCKET_SECONDS])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due = int(reply[0]), int(reply[1])
-        items = [(reply[i].decode(), int(float(reply[i + 1])), reply[i + 2]) for i in range(2, len(reply), 3)]
+        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(2, len(reply), 3)]
         return Claim(now_ms, None if next_due < 0 else next_due, items)
 
     def ack(self, partition: int, task_ids: list[str]) -> int:
         """Forget tasks whose delivery to Kafka was confirmed."""
-        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg")], task_ids)
+        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg")],
+                          [member_of(task_id) for task_id in task_ids])
 
     def nack(self, partition: int, task_ids: list[str], delay_ms: int = 1000) -> int:
         """Return claimed tasks to due (their delivery failed), due again after ``delay_ms``."""
-        return self._call("nack", [self.key(partition, "inflight"), self.key(partition, "due")],
-                          [delay_ms, *task_ids])
+        return self._call("nack", self._keys(partition),
+                          [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *map(member_of, task_ids)])
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
+        return self._call_redis(self._scripts[name], keys=keys, args=args)
+
+    def _call_redis(self, command: Callable, *args, **kwargs):
+        """``command(*args, **kwargs)``, a lost connection raised as :class:`StoreUnavailable`."""
         try:
-            return self._scripts[name](keys=keys, args=args)
+            return command(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(self._unavailable(exc)) from exc
 
     def _execute(self, pipe: redis.client.Pipeline) -> list:
-        try:
-            return pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreUnavailable(self._unavailable(exc)) from exc
+        return self._call_redis(pipe.execute)
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"

@@ -3,10 +3,13 @@
 -- tasks early or late. Claimed tasks move to the inflight set with a visibility
 -- deadline; the poller removes them (ack.lua) once Kafka confirmed delivery.
 -- Inflight tasks past their deadline (their claimer died) become due again.
+-- Due tasks are taken bucket by bucket in the index's order; a bucket left with
+-- tasks gets its new earliest due time in the index, an emptied one leaves it.
 --
--- KEYS[1] due ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] fence STRING
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] fence STRING
 -- ARGV[1] fencing token (etcd create revision of the leader key)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
+-- ARGV[4] bucket key prefix   ARGV[5] bucket width s
 -- Returns {now_ms, next_due_ms or -1, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 local token = tonumber(ARGV[1])
@@ -19,26 +22,43 @@ if token > fence then redis.call('SET', KEYS[4], ARGV[1]) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
+local width = tonumber(ARGV[5])
 
+-- expired claims go back to the bucket of "now", message and all
 local expired = redis.call('ZRANGE', KEYS[3], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
+local bucket = math.floor(now / 1000 / width) * width
 for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[3], id)
-  redis.call('ZADD', KEYS[1], now, id)
+  local message = redis.call('HGET', KEYS[2], id)
+  if message then
+    redis.call('ZADD', ARGV[4] .. bucket, now, id)
+    redis.call('ZADD', KEYS[1], 'LT', now, bucket)
+    redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
+  end
 end
 
 local out = {now, -1}
 local deadline = now + tonumber(ARGV[3])
-local due = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit, 'WITHSCORES')
-for i = 1, #due, 2 do
-  local id = due[i]
-  redis.call('ZREM', KEYS[1], id)
-  local envelope = redis.call('HGET', KEYS[2], id)
-  if envelope then
-    redis.call('ZADD', KEYS[3], deadline, id)
-    out[#out + 1] = id
-    out[#out + 1] = due[i + 1]
-    out[#out + 1] = envelope
+local left = limit
+local buckets = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
+for _, b in ipairs(buckets) do
+  if left <= 0 then break end
+  local key = ARGV[4] .. b
+  local due = redis.call('ZRANGE', key, '-inf', now, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
+  for i = 1, #due, 2 do
+    local id = due[i]
+    redis.call('ZREM', key, id)
+    local message = redis.call('HGET', KEYS[2], id)
+    if message then
+      redis.call('ZADD', KEYS[3], deadline, id)
+      out[#out + 1] = id
+      out[#out + 1] = due[i + 1]
+      out[#out + 1] = string.sub(message, 5)
+    end
   end
+  left = left - #due / 2
+  local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if rest[2] then redis.call('ZADD', KEYS[1], rest[2], b) else redis.call('ZREM', KEYS[1], b) end
 end
 
 local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')

@@ -1,14 +1,21 @@
--- Return claimed tasks whose delivery failed to the due set, due again after a
--- short delay (by Redis' clock), so a Kafka outage delays tasks but loses none.
+-- Return claimed tasks whose delivery failed to their partition, due again after
+-- a short delay (by Redis' clock), so a Kafka outage delays tasks but loses none.
+-- Each goes to the bucket of its new due time; its message records that bucket.
 --
--- KEYS[1] inflight ZSET   KEYS[2] due ZSET   ARGV[1] delay ms, then task ids
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
+-- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms, then task ids
 -- Returns the number of tasks returned.
 local t = redis.call('TIME')
-local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
+local bucket = math.floor(due / 1000 / tonumber(ARGV[2])) * tonumber(ARGV[2])
 local n = 0
-for i = 2, #ARGV do
-  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    redis.call('ZADD', KEYS[2], due, ARGV[i])
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local message = redis.call('HGET', KEYS[2], id)
+  if redis.call('ZREM', KEYS[3], id) == 1 and message then
+    redis.call('ZADD', ARGV[1] .. bucket, due, id)
+    redis.call('ZADD', KEYS[1], 'LT', due, bucket)
+    redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
     n = n + 1
   end
 end

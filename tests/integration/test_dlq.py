@@ -90,7 +90,7 @@ def test_requeue_schedules_the_same_id_and_bytes_due_now_then_drops_the_record(l
     entry = store.get("task-0")
     assert entry["state"] == "scheduled" and entry["task"] == "tasks.demo.add"
     assert before <= entry["due_ms"] <= redis_now_ms(store)
-    assert store.redis.hget(store.key(entry["partition"], "msg"), "task-0") == parked["task-0"]
+    assert store.message("task-0") == parked["task-0"]
     assert backend.forgotten == [("task-0", False)]  # forgotten before it could run again
     assert letters.get("task-0") is None and letters.count() == 1
     assert letters.requeue("task-0", backend) is False  # gone: nothing more to do

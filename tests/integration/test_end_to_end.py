@@ -8,6 +8,7 @@ import redis
 from confluent_kafka import Consumer
 
 from celery_delayed import store_of
+from celery_delayed.store import BUCKET_SECONDS, member_of
 from celery_delayed.envelope import Envelope
 from tasks import create_app
 
@@ -41,7 +42,8 @@ def test_countdown_task_goes_store_then_kafka_then_worker(overrides, processes):
     # Hop 1: in the delayed store's sorted set, not on the broker.
     entry = store.get(result.id)
     assert entry["state"] == "scheduled" and entry["task"] == "tasks.demo.add" and entry["queue"] == queue
-    assert store.redis.zscore(store.key(entry["partition"], "due"), result.id) == entry["due_ms"]
+    bucket = entry["due_ms"] // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
+    assert store.redis.zscore(store.key(entry["partition"], f"t:{bucket}"), member_of(result.id)) == entry["due_ms"]
     assert broker.llen(queue) == 0
 
     processes.poller()

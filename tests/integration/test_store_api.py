@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import datetime, timezone
 
 import pytest
@@ -33,8 +34,7 @@ def test_schedule_many_streams_a_generator_with_progress_and_keeps_first_copies(
     assert store.get("task-3")["due_ms"] == due
     (_, _, first), (_, _, second) = envelopes(2, "q", 0, prefix="dup")
     assert store.schedule_many([("dup", due, first), ("dup", due + 9, second), ("dup", due + 7, second)]) == 1
-    p = store.partition("dup")
-    assert store.get("dup")["due_ms"] == due and store.redis.hget(store.key(p, "msg"), "dup") == first
+    assert store.get("dup")["due_ms"] == due and store.message("dup") == first
 
 
 def test_a_bad_item_stops_its_batch_before_anything_of_it_is_written(store):
@@ -69,6 +69,47 @@ def test_cancel_reschedule_and_get(store):
     with pytest.raises(TaskInFlight, match="task task-2 is already being dispatched"):
         store.reschedule("task-2", due)
     assert store.cancel("task-2") == -1
+
+
+def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
+    """Tasks spread over a dozen 10 s buckets of one partition (UUID ids, stored as 16 bytes):
+    cancel, reschedule, claim, nack and an expired claim each leave the index exact."""
+    store = DelayedStore(Settings.from_mapping({"key_prefix": overrides["delayed_key_prefix"], "partitions": 1,
+                                                "visibility_timeout": 1}))
+    now = now_ms()
+    ids = [str(uuid.uuid4()) for _ in range(60)]
+    dues = [now - 60_000 + 2000 * i for i in range(30)] + [now + 30_000 + 2000 * i for i in range(30)]
+    store.schedule_many((task_id, due, data) for task_id, due, (_, _, data) in zip(ids, dues, envelopes(60, "q", 0)))
+    buckets = store.key(0, "buckets")
+    assert store.redis.zcard(buckets) >= 12
+
+    assert store.cancel(ids[0]) == 1 and store.reschedule(ids[5], now + 3_600_000)
+    assert store.counts()[0]["next_due_ms"] == dues[1]  # the index left the cancelled head behind
+    claimed = store.claim(0, token=1, limit=100)
+    overdue = [i for i in range(1, 30) if i != 5]
+    assert [item[0] for item in claimed.items] == [ids[i] for i in overdue]
+    assert [item[1] for item in claimed.items] == [dues[i] for i in overdue]
+    assert claimed.next_due_ms == dues[30]
+
+    assert store.nack(0, ids[1:4], delay_ms=0) == 3  # back, due now, in the bucket of now
+    assert store.get(ids[1])["state"] == "scheduled" and store.get(ids[1])["due_ms"] >= claimed.now_ms
+    assert store.cancel(ids[1]) == 1  # found through the bucket its nack recorded
+    assert sorted(item[0] for item in store.claim(0, token=1, limit=100).items) == sorted(ids[2:4])
+    assert store.ack(0, ids[2:4]) == 2
+
+    time.sleep(1.2)  # the rest of the first claim outlives its visibility timeout
+    again = store.claim(0, token=1, limit=100)
+    assert sorted(item[0] for item in again.items) == sorted(ids[i] for i in overdue if i >= 4)
+    assert store.ack(0, [item[0] for item in again.items]) == len(again.items)
+
+    left = [ids[5]] + ids[30:]
+    page = store.upcoming(100)
+    assert [item["task_id"] for item in page.items] == left[1:] + left[:1] and page.cursor is None
+    assert sum(r["scheduled"] for r in store.counts()) == len(left)
+    for task_id in left:
+        assert store.cancel(task_id) == 1
+    assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.key(0, "msg")) == 0
+    assert not store.redis.keys(store.key(0, "t:*"))  # emptied buckets are gone, not left as keys
 
 
 def test_reschedule_to_the_front_wakes_the_pollers(store):

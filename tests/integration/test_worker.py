@@ -91,7 +91,7 @@ def test_duplicate_deliveries_run_once(overrides, processes):
     store = store_of(app)
     run = uuid.uuid4().hex
     slow = app.tasks["tasks.demo.work"].apply_async((run, 3.0), countdown=3600)
-    envelope = store.redis.hget(store.key(store.partition(slow.id), "msg"), slow.id)
+    envelope = store.message(slow.id)
     store.cancel(slow.id)
     producer = Producer(settings.kafka())
     topic = settings.topic(app.conf.task_default_queue)
@@ -123,7 +123,7 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     producer.produce(topic, key=b"garbage-1", value=b"\xff\xfe not an envelope")
     unknown = app.tasks["tasks.demo.add"].apply_async((1, 2), countdown=3600)
     store = store_of(app)
-    envelope = store.redis.hget(store.key(store.partition(unknown.id), "msg"), unknown.id)
+    envelope = store.message(unknown.id)
     store.cancel(unknown.id)
     poisoned = Envelope.decode(envelope)
     poisoned.headers["task"] = "tasks.demo.nope"

@@ -1,6 +1,7 @@
-"""Pure logic of the store API and the client: due times, cursors, item checks."""
+"""Pure logic of the store API and the client: due times, cursors, item checks, stored ids."""
 from __future__ import annotations
 
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -9,7 +10,7 @@ from kombu.message import Message
 
 import celery_delayed
 from celery_delayed.client import DelayedPublishError
-from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor, due_ms_of
+from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor, due_ms_of, member_of, task_id_of
 
 
 def test_due_times_naive_is_utc():
@@ -73,3 +74,16 @@ def test_cursor_round_trip_and_ties():
 def test_bad_cursors_are_refused(cursor):
     with pytest.raises(ValueError, match="not a cursor of upcoming"):
         _parse_cursor(cursor, 4)
+
+
+IDS = [str(uuid.uuid4()), "00000000-0000-0000-0000-000000000000", str(uuid.uuid4()).upper(), "sixteen-chars-id",
+       "\0" + "x" * 15, "\0\0abc", "a", "12345678-1234-1234-1234-12345678901 ", "12345678-1234-1234-1234 12345678901",
+       "g2345678-1234-1234-1234-123456789012", "ünïcödé-task-id", "\0sixteen-chars-id"]
+
+
+def test_stored_ids_are_16_bytes_only_for_canonical_uuids_and_always_round_trip():
+    members = [member_of(task_id) for task_id in IDS]
+    assert [task_id_of(m) for m in members] == IDS
+    assert len(set(members)) == len(IDS)  # one form per id: no two ids share a member
+    assert [len(m) == 16 for m in members] == [True, True] + [False] * (len(IDS) - 2)
+    assert member_of(IDS[0]) == uuid.UUID(IDS[0]).bytes

@@ -1,0 +1,23 @@
+-- Count one partition's tasks for `delayed status` and the metrics: how many
+-- are scheduled, in flight and overdue (due by Redis' clock, still waiting),
+-- the earliest due time, and the earliest due time still to come. Only buckets
+-- whose earliest task is overdue are looked into.
+--
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
+-- ARGV[1] bucket key prefix   ARGV[2] now ms
+-- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1}.
+local now = tonumber(ARGV[2])
+local inflight = redis.call('ZCARD', KEYS[3])
+local overdue, upcoming = 0, nil
+for _, b in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
+  local key = ARGV[1] .. b
+  overdue = overdue + redis.call('ZCOUNT', key, '-inf', now)
+  local later = redis.call('ZRANGE', key, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+  if later[2] and (upcoming == nil or tonumber(later[2]) < upcoming) then upcoming = tonumber(later[2]) end
+end
+local next_bucket = redis.call('ZRANGE', KEYS[1], '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+if next_bucket[2] and (upcoming == nil or tonumber(next_bucket[2]) < upcoming) then
+  upcoming = tonumber(next_bucket[2])
+end
+local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {redis.call('HLEN', KEYS[2]) - inflight, inflight, overdue, head[2] and tonumber(head[2]) or -1, upcoming or -1}

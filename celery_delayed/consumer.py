@@ -31,7 +31,8 @@ from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope
 from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import RunClaims, finished
+from .once import REVOKED, RunClaims, finished
+from .revoke import record_revoked
 from .settings import Settings
 from .store import DelayedStore, StoreUnavailable
 
@@ -280,6 +281,12 @@ class KafkaFeed:
             self._skip_finished(task_id, partition, offset)
             return
         wait_ms = self.claims.acquire(task_id)
+        if wait_ms == REVOKED:
+            logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
+            record_revoked(self.c.app, headers, envelope.queue, reason="revoked")
+            metrics.SKIPPED_REVOKED.inc()
+            self._settle(partition, offset)
+            return
         if wait_ms:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()
             self._put_back(task_id, record.value(), wait_ms)

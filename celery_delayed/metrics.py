@@ -23,6 +23,8 @@ DISPATCH_LAG = Histogram("celery_delayed_dispatch_lag_seconds", "Due time to Kaf
                          buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
 SKIPPED_FINISHED = Counter("celery_delayed_skipped_finished",
                            "Deliveries of tasks that had already finished, acknowledged without running")
+SKIPPED_REVOKED = Counter("celery_delayed_skipped_revoked",
+                          "Deliveries of revoked tasks, recorded as REVOKED and acknowledged without running")
 DEFERRED_DUPLICATES = Counter("celery_delayed_deferred_duplicates",
                               "Deliveries of tasks another copy of which was running, put back in the store")
 LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller leads", ["partition"])

@@ -4,10 +4,11 @@ copies of one task_id never run at the same time.
 Kafka and the poller deliver at least once, so a task can arrive twice.  Before
 a worker hands a task to Celery it checks the result backend for a terminal
 state, then takes a *run claim* (``<prefix>:run:<task_id>``, SET NX with a
-lease).  The worker extends the claims of its running tasks while they run and
-releases each when Celery settles the task; a claim left by a killed worker
-expires after the lease.  A copy that finds the claim taken is put back in the
-store, due when the claim would expire, so it is never dropped.
+lease), unless the id was revoked (:func:`.revoke.remember_revoked`).  The
+worker extends the claims of its running tasks while they run and releases each
+when Celery settles the task; a claim left by a killed worker expires after the
+lease.  A copy that finds the claim taken is put back in the store, due when the
+claim would expire, so it is never dropped.
 """
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ import redis
 from celery import states
 from celery.backends.base import DisabledBackend
 
+from .revoke import revoke_key
 from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
+
+
+#: :meth:`RunClaims.acquire`'s answer for a revoked task id.
+REVOKED = -1
 
 
 class RunClaims:
@@ -38,6 +44,7 @@ class RunClaims:
         self.prefix = store.settings.key_prefix
         self.owner = owner
         self.lease_ms = int(lease_s * 1000)
+        self._acquire = self.redis.register_script(store.lua_source("acquire"))
         self._release = self.redis.register_script(store.lua_source("release"))
         self._extend = self.redis.register_script(store.lua_source("extend"))
         self._held: set[str] = set()
@@ -46,15 +53,17 @@ class RunClaims:
         self._keeper.start()
 
     def key(self, task_id: str) -> str:
-        return f"{self.prefix}:run:{task_id}"
+        return f"{self.prefix}:run:{{{task_id}}}"
 
     def acquire(self, task_id: str) -> int:
-        """Claim ``task_id``; 0 on success, else ms until the current claim expires."""
-        if self.redis.set(self.key(task_id), self.owner, nx=True, px=self.lease_ms):
+        """Claim ``task_id``: 0 on success, :data:`REVOKED` when the task was revoked,
+        else the ms until the current claim expires."""
+        wait_ms = self._acquire(keys=[self.key(task_id), revoke_key(self.prefix, task_id)],
+                                args=[self.owner, self.lease_ms])
+        if wait_ms == 0:
             with self._lock:
                 self._held.add(task_id)
-            return 0
-        return max(1, self.redis.pttl(self.key(task_id)))
+        return wait_ms
 
     def release(self, task_id: str) -> None:
         """Give a claim up; if Redis cannot be told, the claim simply expires after its lease."""

@@ -5,8 +5,12 @@ later, or after every worker restarted, would run anyway.  :class:`DelayedContro
 (the app's ``control_cls`` once :func:`celery_delayed.install` ran, so
 ``AsyncResult.revoke``, ``app.control.revoke`` and Flower's revoke all go through
 it) first removes each id from the store for good and records it as REVOKED,
-as a worker would have; then it broadcasts Celery's revoke as usual, which
-covers a task already in flight (claimed by a poller, on Kafka, or in a worker).
+as a worker would have, and remembers every revoked id in Redis for
+``delayed_revoke_days``; then it broadcasts Celery's revoke as usual.  A worker
+checks that record before it runs a task (:meth:`.once.RunClaims.acquire`), so a
+task already claimed by a poller or waiting on Kafka, or one that was running
+and retries into the store, does not run either, on any worker, started when
+it may.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from celery.app.task import Context
 from celery.utils.functional import maybe_list
 
 from .envelope import Envelope, EnvelopeError
+from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +55,30 @@ def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
     Returns, per id, :data:`CANCELLED`, :data:`UNKNOWN` (not in the store) or
     :data:`IN_FLIGHT` (a poller is dispatching it: only a worker can drop it now).
     """
+    store = app.amqp.delayed_store
     outcomes = {}
-    for task_id, removed in app.amqp.delayed_store.cancel_many(task_ids).items():
+    removed_by_id = store.cancel_many(task_ids)
+    remember_revoked(store, task_ids)
+    for task_id, removed in removed_by_id.items():
         outcomes[task_id] = CANCELLED if isinstance(removed, bytes) else removed
         if isinstance(removed, bytes):
             headers, queue = _headers_of(task_id, removed)
             record_revoked(app, headers, queue, reason="revoked")
     return outcomes
+
+
+def revoke_key(prefix: str, task_id: str) -> str:
+    """Redis key remembering that ``task_id`` was revoked (hash-tagged by the id, as its run claim)."""
+    return f"{prefix}:revoked:{{{task_id}}}"
+
+
+def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
+    """Record the ids as revoked for ``delayed_revoke_days``; workers will not run them."""
+    ttl_ms = int(store.settings.revoke_days * 86_400_000)
+    pipe = store.redis.pipeline(transaction=False)
+    for task_id in task_ids:
+        pipe.set(revoke_key(store.settings.key_prefix, task_id), 1, px=ttl_ms)
+    store.execute(pipe)
 
 
 def record_revoked(app: Celery, headers: dict[str, Any], queue: str | None, reason: str,

@@ -76,6 +76,9 @@ class Settings:
     #: Lease of a worker's claim to run a task_id, in seconds; extended while the
     #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
     run_lease: float = 15.0
+    #: Days a revoke is remembered in Redis, so a revoked task that is already on
+    #: Kafka, or retries into the store, never runs, even on workers started later.
+    revoke_days: float = 30.0
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -122,6 +125,7 @@ class Settings:
                  "may hold only letters, digits, '.', '_' and '-'")
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
         _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
+        _require(self.revoke_days > 0, "revoke_days", "must be > 0")
         scheme = urlsplit(self.redis_url).scheme
         _require(scheme in ("redis", "rediss", "unix"), "redis_url",
                  f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")

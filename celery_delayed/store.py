@@ -178,12 +178,12 @@ class DelayedStore:
         """
         pipelines = self._schedule_pipelines(items)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
-            return sum(self._stored(self._execute(pipe), size, progress) for pipe, size in pipelines)
+            return sum(self._stored(self.execute(pipe), size, progress) for pipe, size in pipelines)
         added = 0
         with ThreadPoolExecutor(1, thread_name_prefix="delayed-schedule") as sender:
             previous: tuple[Future, int] | None = None
             for pipe, size in pipelines:
-                sending = (sender.submit(self._execute, pipe), size)
+                sending = (sender.submit(self.execute, pipe), size)
                 if previous is not None:
                     added += self._stored(previous[0].result(), previous[1], progress)
                 previous = sending
@@ -230,7 +230,7 @@ class DelayedStore:
         for task_id in ids:
             p = self.partition(task_id)
             self._scripts["cancel"](keys=self._keys(p), args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
-        return dict(zip(ids, self._execute(pipe)))
+        return dict(zip(ids, self.execute(pipe)))
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
         """Move a scheduled task to a new due time (a datetime, or ms since the epoch); returns the due ms.
@@ -255,7 +255,7 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(self.key(p, "msg"), member)
         pipe.zscore(self.key(p, "inflight"), member)
-        stored, deadline = self._execute(pipe)
+        stored, deadline = self.execute(pipe)
         if stored is None:
             return None
         data = stored[4:]
@@ -294,7 +294,7 @@ class DelayedStore:
                                       args=[self.key(p, "t:"), BUCKET_SECONDS, "" if start_ms is None else start_ms,
                                             skips.get(p, 0), limit + 1], client=pipe)
         heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
-                 for p, rows in enumerate(self._execute(pipe))]
+                 for p, rows in enumerate(self.execute(pipe))]
         page = list(itertools.islice(heapq.merge(*heads), limit + 1))
         cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
         return Page(self._describe(page[:limit]), cursor)
@@ -304,7 +304,7 @@ class DelayedStore:
         for _, member, p in entries:
             pipe.hget(self.key(p, "msg"), member)
         items = []
-        for (due_ms, member, p), stored in zip(entries, self._execute(pipe)):
+        for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
             if stored is not None:
                 envelope = Envelope.decode(stored[4:])
                 items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
@@ -321,7 +321,7 @@ class DelayedStore:
         for p in range(self.settings.partitions):
             self._scripts["counts"](keys=self._keys(p), args=[self.key(p, "t:"), now_ms], client=pipe)
         rows = []
-        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self._execute(pipe)):
+        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
                          "next_due_ms": next_due if next_due >= 0 else None,
                          "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
@@ -365,15 +365,16 @@ class DelayedStore:
     def _call(self, name: str, keys: list[str], args: list):
         return self._call_redis(self._scripts[name], keys=keys, args=args)
 
+    def execute(self, pipe: redis.client.Pipeline) -> list:
+        """Run a pipeline of this store's Redis; a lost connection is :class:`StoreUnavailable`."""
+        return self._call_redis(pipe.execute)
+
     def _call_redis(self, command: Callable, *args, **kwargs):
         """``command(*args, **kwargs)``, a lost connection raised as :class:`StoreUnavailable`."""
         try:
             return command(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(self._unavailable(exc)) from exc
-
-    def _execute(self, pipe: redis.client.Pipeline) -> list:
-        return self._call_redis(pipe.execute)
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"

@@ -52,9 +52,11 @@ def crash_once(self, run: str) -> str:
 
 
 @shared_task(name="tasks.demo.flaky", bind=True, max_retries=5)
-def flaky(self, run: str, failures: int, countdown: float = 2.0) -> int:
-    """Fail ``failures`` times, retrying after ``countdown`` s each time (through the delayed store)."""
+def flaky(self, run: str, failures: int, countdown: float = 2.0, seconds: float = 0.0) -> int:
+    """Take ``seconds``, then fail ``failures`` times, retrying after ``countdown`` s each time
+    (through the delayed store)."""
     attempt = _redis().hincrby(f"demo:{run}:runs", self.request.id, 1)
+    time.sleep(seconds)
     if attempt <= failures:
         raise self.retry(countdown=countdown, exc=RuntimeError(f"attempt {attempt} failed"))
     return attempt

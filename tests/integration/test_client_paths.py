@@ -2,6 +2,8 @@
 expiry, durable revoke and bad input, as a Celery user meets them."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -215,6 +217,33 @@ def test_revoke_of_a_task_in_flight_falls_back_to_the_workers(overrides, process
     wait_for(lambda: app.backend.get_task_meta(result.id)["status"] == states.REVOKED, 60,
              "the worker to revoke the task")
     assert runs(app, run) == {}
+
+
+def test_a_revoke_is_remembered_for_tasks_already_on_kafka_and_for_running_tasks_that_retry(overrides, processes):
+    app = create_app(**overrides)
+    store = store_of(app)
+    run = uuid.uuid4().hex
+    # On Kafka: dispatched and gone from the store, no worker alive to hear the broadcast.
+    processes.poller()
+    on_kafka = app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5)
+    wait_for(lambda: store.get(on_kafka.id) is None, 60, "Kafka to confirm the task (the store forgets it)")
+    app.control.revoke(on_kafka.id)
+
+    # Running, then retrying into the store after its revoke; its worker is then replaced.
+    w1 = processes.worker("w1")
+    retrying = app.tasks["tasks.demo.flaky"].apply_async((run, 1), {"countdown": 4, "seconds": 2}, countdown=1.5)
+    wait_for(lambda: retrying.id in runs(app, run), 60, "the flaky task to start")
+    app.control.revoke(retrying.id)
+    wait_for(lambda: scheduled(store, retrying.id), 30, "the retry to be stored")
+    os.killpg(w1.pid, signal.SIGTERM)
+    w1.wait(timeout=30)
+    processes.worker("w2")
+    for result in (on_kafka, retrying):
+        wait_for(lambda: app.backend.get_task_meta(result.id)["status"] == states.REVOKED, 60,
+                 f"{result.id} to be recorded as revoked")
+    wait_for(lambda: store.get(retrying.id) is None, 30, "the retry to be dispatched")
+    time.sleep(2)
+    assert runs(app, run) == {retrying.id: 1}  # the task on Kafka never ran, the retry did not run again
 
 
 def test_bad_input_is_refused_with_a_clear_error_and_nothing_is_stored(overrides):

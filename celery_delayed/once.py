@@ -19,6 +19,7 @@ import redis
 from celery import states
 from celery.backends.base import DisabledBackend
 
+from .redis_client import UNREACHABLE, Script, execute
 from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class RunClaims:
         self.prefix = store.settings.key_prefix
         self.owner = owner
         self.lease_ms = int(lease_s * 1000)
-        self._release = self.redis.register_script(store.lua_source("release"))
-        self._extend = self.redis.register_script(store.lua_source("extend"))
+        self._release = Script(self.redis, store.lua_source("release"))
+        self._extend = Script(self.redis, store.lua_source("extend"))
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
@@ -62,7 +63,7 @@ class RunClaims:
             self._held.discard(task_id)
         try:
             self._release(keys=[self.key(task_id)], args=[self.owner])
-        except redis.RedisError as exc:
+        except (redis.RedisError, *UNREACHABLE) as exc:
             logger.warning("run claim of %s not released (%s); it expires after its lease", task_id, exc)
 
     def _keep(self) -> None:
@@ -76,8 +77,8 @@ class RunClaims:
                 pipe = self.redis.pipeline(transaction=False)
                 for task_id in held:
                     self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
-                pipe.execute()
-            except redis.RedisError as exc:  # try again next round, well within the lease
+                execute(self.redis, pipe)
+            except (redis.RedisError, *UNREACHABLE) as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
 
 

@@ -6,16 +6,17 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.settings import Settings
 from celery_delayed.store import MAX_PAGE, DelayedStore, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for
+from .test_poller import settings_for
+
+pytestmark = pytest.mark.cluster_too
 
 
 @pytest.fixture
 def store(overrides) -> DelayedStore:
-    settings = Settings.from_mapping({"key_prefix": overrides["delayed_key_prefix"], "partitions": 4})
-    yield DelayedStore(settings)
+    yield DelayedStore(settings_for(overrides))
 
 
 def now_ms() -> int:

@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed.leadership import make_etcd
+from celery_delayed.redis_client import connect
 from celery_delayed.settings import Settings
 from tests.integration.support import environment
 
@@ -116,8 +117,11 @@ def delete_topics(settings: Settings, topics: Sequence[str], timeout: float = 30
 
 
 # -- Redis / etcd ----------------------------------------------------------------
-def unlink_prefix(client: redis.Redis, prefix: str) -> int:
-    """UNLINK (never DEL: big keys block Redis) every key starting with ``prefix:``."""
+def unlink_prefix(client: redis.Redis | redis.RedisCluster, prefix: str) -> int:
+    """UNLINK (never DEL: big keys block Redis) every key starting with ``prefix:``.
+
+    On a cluster, SCAN visits every primary and UNLINK is split by slot (redis-py's ``RedisCluster``).
+    """
     removed = 0
     batch: list[bytes] = []
     for key in client.scan_iter(match=f"{prefix}:*", count=1000):
@@ -132,7 +136,7 @@ def unlink_prefix(client: redis.Redis, prefix: str) -> int:
 
 def cleanup(settings: Settings, topics: Sequence[str]) -> None:
     """Remove everything a scenario left: Redis keys, etcd keys, Kafka topics."""
-    unlink_prefix(redis.Redis.from_url(settings.redis_url), settings.key_prefix)
+    unlink_prefix(connect(settings), settings.key_prefix)
     try:
         make_etcd(settings).delete_prefix(f"/{settings.key_prefix}/")
     except Exception:  # etcd keys die with the pollers' leases anyway

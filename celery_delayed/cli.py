@@ -42,7 +42,7 @@ def _load(ctx: click.Context) -> tuple[Settings, DelayedStore]:
     try:
         store = store_of(ctx.obj.app)
         return store.settings, store
-    except ConfigurationError as exc:
+    except (ConfigurationError, StoreUnavailable) as exc:  # a cluster client connects here
         raise click.ClickException(str(exc)) from None
 
 

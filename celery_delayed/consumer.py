@@ -32,6 +32,7 @@ from .envelope import Envelope
 from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import REVOKED, RunClaims, finished
+from .redis_client import UNREACHABLE
 from .revoke import record_revoked
 from .settings import Settings
 from .store import DelayedStore, StoreUnavailable
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_UNSETTLED = 1000
 COMMIT_INTERVAL = 0.5
 #: Errors that say "try again shortly", not "this message is bad".
-TRANSIENT = (redis.RedisError, StoreUnavailable)
+TRANSIENT = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0

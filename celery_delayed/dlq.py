@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Protocol
 
 from .envelope import Envelope, EnvelopeError
+from .redis_client import Script, execute
 from .store import DelayedStore
 
 #: Records read and requeued per round trip by :meth:`DeadLetters.requeue_all`.
@@ -87,7 +88,7 @@ class DeadLetters:
         self.store = store
         prefix = store.settings.key_prefix
         self.keys = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
-        self._scripts = {name: store.redis.register_script(store.lua_source(name))
+        self._scripts = {name: Script(store.redis, store.lua_source(name))
                          for name in ("dead_letter", "remove_dead_letter", "purge_dead_letters")}
 
     def add(self, letter: DeadLetter) -> None:
@@ -170,7 +171,7 @@ class DeadLetters:
         pipe = self.store.redis.pipeline(transaction=False)
         for task_id, record, _ in records:
             self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id, record], client=pipe)
-        pipe.execute()
+        execute(self.store.redis, pipe)
 
     # -- purge ---------------------------------------------------------------
     def purge(self, task_id: str) -> bool:

@@ -20,6 +20,7 @@ import redis
 from celery import states
 from celery.backends.base import DisabledBackend
 
+from .redis_client import UNREACHABLE, Script, execute
 from .revoke import revoke_key
 from .store import DelayedStore
 
@@ -44,9 +45,9 @@ class RunClaims:
         self.prefix = store.settings.key_prefix
         self.owner = owner
         self.lease_ms = int(lease_s * 1000)
-        self._acquire = self.redis.register_script(store.lua_source("acquire"))
-        self._release = self.redis.register_script(store.lua_source("release"))
-        self._extend = self.redis.register_script(store.lua_source("extend"))
+        self._acquire = Script(self.redis, store.lua_source("acquire"))
+        self._release = Script(self.redis, store.lua_source("release"))
+        self._extend = Script(self.redis, store.lua_source("extend"))
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
@@ -71,7 +72,7 @@ class RunClaims:
             self._held.discard(task_id)
         try:
             self._release(keys=[self.key(task_id)], args=[self.owner])
-        except redis.RedisError as exc:
+        except (redis.RedisError, *UNREACHABLE) as exc:
             logger.warning("run claim of %s not released (%s); it expires after its lease", task_id, exc)
 
     def _keep(self) -> None:
@@ -85,8 +86,8 @@ class RunClaims:
                 pipe = self.redis.pipeline(transaction=False)
                 for task_id in held:
                     self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
-                pipe.execute()
-            except redis.RedisError as exc:  # try again next round, well within the lease
+                execute(self.redis, pipe)
+            except (redis.RedisError, *UNREACHABLE) as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
 
 

@@ -27,6 +27,10 @@ class Settings:
 
     #: Redis holding the delayed store. ``rediss://`` and passwords pass through.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: The store's Redis is a Redis Cluster; ``redis_url`` names any one of its
+    #: nodes (database 0, the only one a cluster has).  The result backend is not
+    #: affected: Celery's Redis backend needs a standalone Redis.
+    redis_cluster: bool = False
     #: Kafka bootstrap servers, ``host:port[,host:port...]``.
     kafka_servers: str = "127.0.0.1:9092"
     #: Extra confluent-kafka settings for producer, consumer and admin (SASL/SSL...).
@@ -129,6 +133,10 @@ class Settings:
         scheme = urlsplit(self.redis_url).scheme
         _require(scheme in ("redis", "rediss", "unix"), "redis_url",
                  f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")
+        _require(not self.redis_cluster or (scheme in ("redis", "rediss")
+                                            and urlsplit(self.redis_url).path in ("", "/", "/0")),
+                 "redis_cluster", "needs a redis:// or rediss:// delayed_redis_url of database 0, "
+                 f"got {redact_url(self.redis_url)!r}")
         _require(all(_HOST_PORT.match(s) for s in self.kafka_servers.split(",")), "kafka_servers",
                  f"must be host:port[,host:port...], got {self.kafka_servers!r}")
         for url in self.etcd_urls:

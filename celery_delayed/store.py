@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Iterator, Sized
 import redis
 
 from .envelope import Envelope, deflate
+from .redis_client import UNREACHABLE, Script, connect, execute
 from .settings import Settings, redact_url
 
 #: Triples per schedule script call: big enough to amortise the round trip,
@@ -134,11 +135,14 @@ def iso_of(ms: int | None) -> str | None:
 class DelayedStore:
     """Schedule, claim, acknowledge and inspect delayed tasks in Redis."""
 
-    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis | redis.RedisCluster | None = None) -> None:
         self.settings = settings
-        self.redis = client or redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+        try:
+            self.redis = client or connect(settings)
+        except UNREACHABLE as exc:  # a cluster client reads the slot map at once
+            raise StoreUnavailable(self._unavailable(exc)) from exc
         self.wake_channel = f"{settings.key_prefix}:wake"
-        self._scripts = {name: self.redis.register_script(self.lua_source(name))
+        self._scripts = {name: Script(self.redis, self.lua_source(name))
                          for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
                                       "counts")}
 
@@ -332,7 +336,7 @@ class DelayedStore:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
         try:
             seconds, micros = self.redis.time()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except UNREACHABLE as exc:
             raise StoreUnavailable(self._unavailable(exc)) from exc
         return seconds * 1000 + micros // 1000
 
@@ -366,14 +370,14 @@ class DelayedStore:
         return self._call_redis(self._scripts[name], keys=keys, args=args)
 
     def execute(self, pipe: redis.client.Pipeline) -> list:
-        """Run a pipeline of this store's Redis; a lost connection is :class:`StoreUnavailable`."""
-        return self._call_redis(pipe.execute)
+        """Run a pipeline of this store's Redis; an unreachable store is :class:`StoreUnavailable`."""
+        return self._call_redis(execute, self.redis, pipe)
 
     def _call_redis(self, command: Callable, *args, **kwargs):
-        """``command(*args, **kwargs)``, a lost connection raised as :class:`StoreUnavailable`."""
+        """``command(*args, **kwargs)``, an unreachable store raised as :class:`StoreUnavailable`."""
         try:
             return command(*args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except UNREACHABLE as exc:
             raise StoreUnavailable(self._unavailable(exc)) from exc
 
     def _unavailable(self, exc: Exception) -> str:

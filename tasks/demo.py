@@ -9,14 +9,12 @@ from datetime import datetime, timedelta, timezone
 import redis
 from celery import current_app, shared_task
 
-_clients: dict[str, redis.Redis] = {}
+from celery_delayed import store_of
 
 
-def _redis() -> redis.Redis:
-    url = current_app.conf.delayed_redis_url
-    if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url)
-    return _clients[url]
+def _redis() -> redis.Redis | redis.RedisCluster:
+    """The delayed store's Redis client (standalone or cluster), where the demo records its runs."""
+    return store_of(current_app).redis
 
 
 @shared_task(name="tasks.demo.add")

@@ -3,9 +3,15 @@
 Nothing here fakes a server: a test fails (it is not skipped) when one is down.
 Each test gets its own key prefix, topic prefix, consumer group and broker
 queue, so tests never see each other's tasks.
+
+A module marked ``pytest.mark.cluster_too`` runs each of its tests twice: with
+the store on the standalone Redis, and on the 3-node Redis Cluster of
+``scripts/services up redis-cluster`` (the result backend and broker stay on
+the standalone Redis either way).
 """
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -40,12 +46,37 @@ def services() -> Settings:
     return s
 
 
+#: The Redis Cluster of scripts/services (any node will do: the client finds the others).
+CLUSTER_URL = f"redis://127.0.0.1:{os.environ.get('CD_REDIS_CLUSTER_PORT', '7001')}/0"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests of ``cluster_too`` modules run on the standalone Redis and on the cluster."""
+    if metafunc.definition.get_closest_marker("cluster_too") and "store_redis" in metafunc.fixturenames:
+        metafunc.parametrize("store_redis", ["standalone", "cluster"], indirect=True)
+
+
 @pytest.fixture
-def overrides(services) -> dict:
+def store_redis(request, services) -> dict:
+    """The store's Redis settings: none (the standalone default) or the cluster's, which must answer."""
+    if getattr(request, "param", "standalone") == "standalone":
+        return {}
+    try:
+        state = redis.RedisCluster.from_url(CLUSTER_URL, socket_connect_timeout=2).cluster_info()["cluster_state"]
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+        state = str(exc)
+    if state != "ok":
+        pytest.fail(f"Redis Cluster at {CLUSTER_URL} is not ok ({state}); start it with: "
+                    "scripts/services up redis-cluster")
+    return {"delayed_redis_url": CLUSTER_URL, "delayed_redis_cluster": True}
+
+
+@pytest.fixture
+def overrides(services, store_redis) -> dict:
     """Celery settings that isolate this test: own prefixes, group and broker queue."""
     tag = "t" + uuid.uuid4().hex[:10]
     return {"delayed_key_prefix": tag, "delayed_topic_prefix": f"{tag}.", "delayed_consumer_group": tag,
-            "delayed_partitions": 4, "delayed_lease_ttl": 2, "task_default_queue": tag}
+            "delayed_partitions": 4, "delayed_lease_ttl": 2, "task_default_queue": tag, **store_redis}
 
 
 @pytest.fixture

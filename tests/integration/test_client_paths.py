@@ -23,12 +23,14 @@ from celery_delayed import DelayedPublishError, StoreUnavailable, store_of
 from tasks import create_app
 
 from .support import wait_for
+
+pytestmark = pytest.mark.cluster_too
 from .test_flower_and_retries import http_json
 
 
 def runs(app: Celery, run: str) -> dict[str, int]:
     """Executions per task id recorded by the demo tasks of run ``run``."""
-    counts = redis.Redis.from_url(app.conf.delayed_redis_url).hgetall(f"demo:{run}:runs")
+    counts = store_of(app).redis.hgetall(f"demo:{run}:runs")
     return {k.decode(): int(v) for k, v in counts.items()}
 
 
@@ -262,6 +264,6 @@ def test_bad_input_is_refused_with_a_clear_error_and_nothing_is_stored(overrides
 
 
 def test_a_store_that_is_down_fails_the_apply(overrides):
-    app = create_app(**overrides, delayed_redis_url="redis://127.0.0.1:1/0")
+    app = create_app(**{**overrides, "delayed_redis_url": "redis://127.0.0.1:1/0"})
     with pytest.raises(StoreUnavailable, match="delayed store at redis://127.0.0.1:1/0 unavailable"):
         app.tasks["tasks.demo.add"].apply_async((1, 1), countdown=60)

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-import redis
 
 from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
@@ -20,6 +19,8 @@ from .support import ROOT, envelopes, environment, wait_for
 from .test_poller import settings_for
 
 GARBAGE = b"\x80not an envelope"
+pytestmark = pytest.mark.cluster_too
+
 TRACEBACK = "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'tasks.demo.add'"
 
 
@@ -273,5 +274,5 @@ def test_task_failing_for_good_is_parked_and_requeue_runs_it_again(overrides, pr
     assert letters.requeue(result.id, app.backend)
     wait_for(lambda: (lambda d: d is not None and d.timestamp > letter.timestamp)(letters.get(result.id)),
              90, "the requeued task to run (and fail) again under the same id")
-    runs = redis.Redis.from_url(app.conf.delayed_redis_url).hget(f"demo:{run}:runs", result.id)
+    runs = store_of(app).redis.hget(f"demo:{run}:runs", result.id)
     assert int(runs) == 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from celery import states
 
 from celery_delayed import store_of
@@ -11,6 +12,8 @@ from tasks import create_app
 
 from .support import envelopes
 from .test_cli import celery
+
+pytestmark = pytest.mark.cluster_too
 
 
 def now_ms() -> int:

@@ -78,3 +78,19 @@ def test_booleans_from_the_environment():
     assert Settings.from_mapping({"dead_letter_failures": "YES"}).dead_letter_failures is True
     with pytest.raises(ConfigurationError, match="delayed_dead_letter_failures must be bool"):
         Settings.from_mapping({"dead_letter_failures": "maybe"})
+
+
+def test_redis_cluster_is_a_bool_off_by_default_and_needs_a_network_url_of_db_0():
+    assert Settings().redis_cluster is False
+    on = Settings.from_mapping({"redis_cluster": "true", "redis_url": "rediss://:pw@node1:7001"})
+    assert on.redis_cluster is True and "pw" not in repr(on)
+    assert Settings.from_mapping({"redis_cluster": True, "redis_url": "redis://node1:7001/0"}).redis_cluster
+    with pytest.raises(ConfigurationError, match="delayed_redis_cluster must be bool, got 'cluster'"):
+        Settings.from_mapping({"redis_cluster": "cluster"})
+    for url in ("redis://node1:7001/3", "unix:///run/redis.sock"):
+        with pytest.raises(ConfigurationError, match="delayed_redis_cluster needs a redis:// or rediss:// "
+                                                     "delayed_redis_url of database 0"):
+            Settings.from_mapping({"redis_cluster": True, "redis_url": url})
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_mapping({"redis_cluster": True, "redis_url": "redis://:s3cret@node1:7001/2"})
+    assert "s3cret" not in str(refused.value)

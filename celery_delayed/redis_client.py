@@ -1,0 +1,84 @@
+"""The store's Redis client: one standalone Redis, or a Redis Cluster, behind one API.
+
+With ``delayed_redis_cluster`` the store talks to a Redis Cluster through
+redis-py's ``RedisCluster``.  Every multi-key script works there because a
+partition's keys share a ``{p}`` hash tag (one slot, one node).  Two things
+redis-py does not do on a cluster are done here:
+
+- a Lua script in a pipeline: ``ClusterPipeline`` refuses ``EVALSHA`` (a node
+  that never loaded the script would answer NOSCRIPT in mid-batch).
+  :class:`Script` queues it anyway and :func:`execute` loads a missing script
+  on every primary and sends again just the commands that got NOSCRIPT (a
+  restarted or failed-over node has an empty script cache);
+- errors: a cluster that is down or cannot be reached raises errors outside
+  redis-py's ``ConnectionError``; :data:`UNREACHABLE` lists them all.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import redis
+from redis.cluster import ClusterPipeline
+from redis.commands.core import Script as RedisScript
+from redis.exceptions import ClusterError, NoScriptError, RedisClusterException
+
+from .settings import Settings
+
+#: What a store that cannot be reached raises, standalone or cluster (a cluster
+#: that is down, has slots without a node, or whose nodes all refuse connections).
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
+
+#: Script source by SHA-1, to load a script again on a node that lost it.
+_SOURCES: dict[str, str] = {}
+
+
+def connect(settings: Settings) -> redis.Redis | redis.RedisCluster:
+    """A client of the store's Redis: a ``RedisCluster`` when ``delayed_redis_cluster`` is set.
+
+    A ``RedisCluster`` reads the cluster's slot map here, so an unreachable
+    cluster raises one of :data:`UNREACHABLE` now rather than at the first command.
+    """
+    if settings.redis_cluster:
+        return redis.RedisCluster.from_url(settings.redis_url, health_check_interval=30)
+    return redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+
+
+class Script(RedisScript):
+    """A Lua script called by SHA, also inside a cluster pipeline (see :func:`execute`)."""
+
+    def __init__(self, client: redis.Redis | redis.RedisCluster, source: str) -> None:
+        super().__init__(client, source)
+        _SOURCES[self.sha] = source
+
+    def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None,
+                 client: Any = None) -> Any:
+        """Run the script, or queue it when ``client`` is a pipeline."""
+        if isinstance(client, ClusterPipeline):  # routed by the first key, like any keyed command
+            keys = list(keys or [])
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
+        return super().__call__(keys, args, client)
+
+
+def execute(client: redis.Redis | redis.RedisCluster, pipe: Any) -> list:
+    """Run ``pipe`` (a pipeline of ``client``) and return its replies; raise its first error.
+
+    On a cluster, commands answered NOSCRIPT did not run: their scripts are
+    loaded on every primary (``SCRIPT LOAD`` goes to all of them) and those
+    commands alone are sent again, so no script runs twice.
+    """
+    if not isinstance(pipe, ClusterPipeline):
+        return pipe.execute()
+    queued = [command.args for command in pipe._execution_strategy.command_queue]
+    replies = pipe.execute(raise_on_error=False)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        for sha in {queued[i][1] for i in missing}:
+            client.script_load(_SOURCES[sha])
+        for i in missing:
+            pipe.execute_command(*queued[i])
+        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
+            replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies

@@ -1,0 +1,93 @@
+"""What only a Redis Cluster can get wrong: where keys live, scripts a node lost, wake-ups across nodes.
+
+The general store tests also run on the cluster (``cluster_too`` modules); these
+look at the cluster itself, through direct connections to its nodes.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+
+import pytest
+import redis
+
+from celery_delayed import store_of
+from celery_delayed.store import DelayedStore
+from tasks import create_app
+
+from .support import envelopes, wait_for
+from .test_poller import settings_for
+
+pytestmark = pytest.mark.parametrize("store_redis", ["cluster"], indirect=True)
+
+
+@pytest.fixture
+def store(overrides) -> DelayedStore:
+    return DelayedStore(settings_for(overrides, partitions=16))
+
+
+def nodes(store: DelayedStore) -> dict[int, redis.Redis]:
+    """A plain client of each primary, by port: what a node holds, asked of that node alone."""
+    return {node.port: redis.Redis(node.host, node.port) for node in store.redis.get_primaries()}
+
+
+def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store):
+    store.schedule_many(envelopes(400, "q", store.now_ms() - 1000))
+    for p in range(16):
+        store.claim(p, token=1, limit=5)  # adds the inflight and fence keys
+    where: dict[int, set[int]] = defaultdict(set)
+    names: dict[int, set[str]] = defaultdict(set)
+    for port, client in nodes(store).items():
+        for key in client.scan_iter(match=f"{store.settings.key_prefix}:*", count=1000):
+            p = int(key.decode().split("{")[1].split("}")[0])
+            where[p].add(port)
+            names[p].add(key.decode().split("}:", 1)[1].split(":")[0])
+    assert sorted(where) == list(range(16))
+    assert all(len(ports) == 1 for ports in where.values()), dict(where)
+    assert all(kinds == {"t", "buckets", "msg", "inflight", "fence"} for kinds in names.values()), dict(names)
+    assert {port for ports in where.values() for port in ports} == set(nodes(store))
+
+
+def test_scripts_a_node_lost_are_loaded_again_and_each_runs_once(store):
+    """A restarted or failed-over node has no scripts: the pipelined calls it refused are sent again, alone."""
+    due = store.now_ms() + 60_000
+    assert store.schedule_many(envelopes(50, "q", due, prefix="before")) == 50
+    for client in nodes(store).values():
+        client.script_flush()
+    assert store.schedule_many(envelopes(3000, "q", due)) == 3000  # a second run of any script would count 0
+    assert sum(r["scheduled"] for r in store.counts()) == 3050
+    for client in nodes(store).values():
+        client.script_flush()
+    removed = store.cancel_many(f"before-{i}" for i in range(50))
+    assert all(isinstance(envelope, bytes) for envelope in removed.values()) and len(removed) == 50
+
+
+def test_a_wake_up_published_on_one_node_reaches_a_subscriber_on_another(store):
+    store.schedule_many(envelopes(2, "q", store.now_ms() + 60_000))
+    home = store.redis.get_node_from_key(store.key(store.partition("task-1"), "buckets"))
+    other = next(node for node in store.redis.get_primaries() if node.name != home.name)
+    pubsub = store.redis.pubsub(node=other, ignore_subscribe_messages=True)
+    pubsub.subscribe(store.wake_channel)
+    soon = store.now_ms() + 5000
+    store.reschedule("task-1", soon)  # PUBLISH inside the script, on the partition's node
+    message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up from another node")
+    assert int(message["data"]) == soon
+    pubsub.close()
+
+
+def test_tasks_scheduled_on_the_cluster_are_dispatched_and_run_once(overrides, processes):
+    app = create_app(**overrides)
+    store = store_of(app)
+    run = uuid.uuid4().hex
+    results = [app.tasks["tasks.demo.work"].apply_async((run,), countdown=2) for _ in range(24)]
+    assert {store.get(r.id)["partition"] for r in results} == set(range(overrides["delayed_partitions"]))
+    processes.poller()
+    processes.worker("w1")
+    ids = {r.id for r in results}
+    wait_for(lambda: set(store.redis.hkeys(f"demo:{run}:runs")) >= {i.encode() for i in ids}, 90,
+             "every task to run")
+    time.sleep(2)  # a duplicate would show up by now
+    runs = {k.decode(): int(v) for k, v in store.redis.hgetall(f"demo:{run}:runs").items()}
+    assert runs == dict.fromkeys(ids, 1)
+    assert sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0

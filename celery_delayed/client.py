@@ -57,7 +57,8 @@ class DelayedAMQP(AMQP):
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
             sent = send(store_producer, name, message, **options)
             if store_producer.expired:
-                record_revoked(self.app, store_producer.headers, store_producer.queue, "expired", expired=True)
+                record_revoked(self.app, store_producer.envelope.task_id, store_producer.envelope, "expired",
+                               expired=True)
             return sent
 
         return send_task_message
@@ -136,7 +137,7 @@ class _StoreProducer:
         self._due_ms = due_ms
         self._stored = False
         self.queue = queue
-        self.headers: dict[str, Any] = {}
+        self.envelope: Envelope | None = None
         self.expired = False
 
     def __getattr__(self, name: str) -> Any:
@@ -149,17 +150,17 @@ class _StoreProducer:
                                           serializer=serializer, headers=headers, compression=compression,
                                           content_type=content_type, content_encoding=content_encoding,
                                           **properties)
-        self.headers = dict(headers or {})
-        data, content_type, content_encoding = serialize(body, serializer, compression, self.headers)
-        envelope = Envelope(
-            task_id=self.headers["id"], queue=self.queue, headers=self.headers, body=data,
+        headers = dict(headers or {})
+        data, content_type, content_encoding = serialize(body, serializer, compression, headers)
+        self.envelope = envelope = Envelope(
+            task_id=headers["id"], queue=self.queue, headers=headers, body=data,
             content_type=content_type, content_encoding=content_encoding,
             properties={k: properties[k] for k in ("correlation_id", "reply_to", "priority")
                         if properties.get(k) not in (None, "")},
             exchange=exchange if isinstance(exchange, str) else getattr(exchange, "name", "") or "",
             routing_key=routing_key or "")
         stored = self._amqp.stored_form(envelope)
-        expires_ms = self._amqp.header_ms(self.headers, "expires")
+        expires_ms = self._amqp.header_ms(headers, "expires")
         self.expired = expires_ms is not None and expires_ms <= self._due_ms
         if not self.expired:
             self._amqp.delayed_store.schedule_many([(envelope.task_id, self._due_ms, stored)])

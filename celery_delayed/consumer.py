@@ -284,7 +284,7 @@ class KafkaFeed:
         wait_ms = self.claims.acquire(task_id)
         if wait_ms == REVOKED:
             logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
-            record_revoked(self.c.app, headers, envelope.queue, reason="revoked")
+            record_revoked(self.c.app, task_id, envelope, reason="revoked")
             metrics.SKIPPED_REVOKED.inc()
             self._settle(partition, offset)
             return

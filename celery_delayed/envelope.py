@@ -29,8 +29,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from kombu.compression import compress
-from kombu.serialization import dumps
+from kombu.compression import compress, decompress
+from kombu.serialization import dumps, loads
 
 COMPACT = b"\x01"
 DEFLATED = b"\x02"
@@ -86,6 +86,14 @@ class Envelope:
     @property
     def task_name(self) -> str:
         return self.headers.get("task", "")
+
+    def embed(self, accept: set[str] | None) -> dict[str, Any]:
+        """What protocol 2 bodies carry beside the arguments: ``callbacks``, ``errbacks``,
+        ``chain`` and ``chord`` (a worker's request holds them).  Raises what kombu
+        raises for a body it cannot load, or a content type not in ``accept``."""
+        body = decompress(self.body, self.headers["compression"]) if self.headers.get("compression") else self.body
+        decoded = loads(body, self.content_type, self.content_encoding, accept=accept)
+        return decoded[2] if isinstance(decoded, (list, tuple)) and len(decoded) == 3 else {}
 
     def encode(self) -> bytes:
         """The compact form (see the module doc); :func:`deflate` may shrink it further.

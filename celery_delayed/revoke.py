@@ -22,6 +22,7 @@ from celery import Celery
 from celery.app.control import Control
 from celery.app.task import Context
 from celery.utils.functional import maybe_list
+from kombu.serialization import prepare_accept_content
 
 from .envelope import Envelope, EnvelopeError
 from .store import DelayedStore
@@ -62,8 +63,11 @@ def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
     for task_id, removed in removed_by_id.items():
         outcomes[task_id] = CANCELLED if isinstance(removed, bytes) else removed
         if isinstance(removed, bytes):
-            headers, queue = _headers_of(task_id, removed)
-            record_revoked(app, headers, queue, reason="revoked")
+            try:
+                envelope = Envelope.decode(removed)
+            except EnvelopeError:
+                envelope = None
+            record_revoked(app, task_id, envelope, reason="revoked")
     return outcomes
 
 
@@ -81,17 +85,19 @@ def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
     store.execute(pipe)
 
 
-def record_revoked(app: Celery, headers: dict[str, Any], queue: str | None, reason: str,
+def record_revoked(app: Celery, task_id: str, envelope: Envelope | None, reason: str,
                    expired: bool = False) -> None:
     """Record a task that will never run as a worker records a revoked one.
 
     The result backend gets REVOKED with ``reason`` (so ``AsyncResult.get()``
-    raises ``TaskRevokedError`` instead of waiting for ever) and, when task
-    events are on, a ``task-revoked`` event is sent for Flower.  A failure here
-    is logged, not raised: the task is already out of the store.
+    raises ``TaskRevokedError`` instead of waiting for ever); a chord member
+    counts as a finished part of its chord, as in a worker, so the chord
+    completes (with Celery's ``ChordError``) rather than waiting for ever;
+    when task events are on, a ``task-revoked`` event is sent for Flower.  A
+    failure here is logged, not raised: the task will not run either way.
     """
-    task_id = headers["id"]
-    request = Context(headers, delivery_info={"routing_key": queue})
+    request = Context(_request_of(app, task_id, envelope),
+                      delivery_info={"routing_key": envelope.queue if envelope else None})
     try:
         app.backend.mark_as_revoked(task_id, reason=reason, request=request)
         if app.conf.task_send_sent_event or app.conf.worker_send_task_events:
@@ -101,10 +107,13 @@ def record_revoked(app: Celery, headers: dict[str, Any], queue: str | None, reas
         logger.warning("task %s will not run (%s), but recording it as revoked failed: %r", task_id, reason, exc)
 
 
-def _headers_of(task_id: str, envelope: bytes) -> tuple[dict[str, Any], str | None]:
-    """The headers and queue of a removed task's envelope (just its id if it cannot be read)."""
+def _request_of(app: Celery, task_id: str, envelope: Envelope | None) -> dict[str, Any]:
+    """What a worker's request for the message would hold: its headers and what the body
+    embeds (chord, chain, callbacks); just the id when the message cannot be read."""
+    if envelope is None:
+        return {"id": task_id}
     try:
-        decoded = Envelope.decode(envelope)
-    except EnvelopeError:
-        return {"id": task_id}, None
-    return decoded.headers, decoded.queue
+        return {**envelope.headers, **envelope.embed(prepare_accept_content(app.conf.accept_content))}
+    except Exception as exc:  # a body this process cannot load: the headers still say what it was
+        logger.warning("task %s: body not readable here (%r); recorded from its headers only", task_id, exc)
+        return dict(envelope.headers)

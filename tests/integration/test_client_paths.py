@@ -248,6 +248,22 @@ def test_a_revoke_is_remembered_for_tasks_already_on_kafka_and_for_running_tasks
     assert runs(app, run) == {retrying.id: 1}  # the task on Kafka never ran, the retry did not run again
 
 
+def test_a_chord_whose_scheduled_member_is_revoked_still_completes_as_celery_would(overrides, processes):
+    app = create_app(**overrides)
+    store = store_of(app)
+    work = app.tasks["tasks.demo.work"]
+    run = uuid.uuid4().hex
+    chorded = chord([work.si(run).set(countdown=2) for _ in range(2)], work.si(run)).apply_async()
+    revoked, kept = chorded.parent.results
+    revoked.revoke()
+    assert store.get(revoked.id) is None and scheduled(store, kept.id)
+    processes.poller()
+    processes.worker("w1")
+    wait_for(lambda: chorded.state == states.FAILURE, 60, "the chord callback to fail with Celery's ChordError")
+    assert type(chorded.result).__name__ == "ChordError" and revoked.id in str(chorded.result)
+    assert runs(app, run) == {kept.id: 1}  # the revoked member and the callback never ran
+
+
 def test_bad_input_is_refused_with_a_clear_error_and_nothing_is_stored(overrides):
     app = create_app(**overrides, delayed_max_message_bytes=2048)
     store = store_of(app)

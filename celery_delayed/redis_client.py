@@ -68,7 +68,7 @@ def execute(client: redis.Redis | redis.RedisCluster, pipe: Any) -> list:
     """
     if not isinstance(pipe, ClusterPipeline):
         return pipe.execute()
-    queued = [command.args for command in pipe._execution_strategy.command_queue]
+    queued = [command.args for command in pipe._execution_strategy.command_queue]  # redis-py >= 6.2; no public way
     replies = pipe.execute(raise_on_error=False)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if missing:

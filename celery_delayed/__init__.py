@@ -18,6 +18,7 @@ from .consumer import KafkaConsumerStep
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, EnvelopeError
 from .failures import park_failures
+from .once import remember_finished
 from .revoke import DelayedControl
 from .settings import ConfigurationError, Settings
 from .store import DelayedStore, StoreUnavailable, TaskInFlight, TaskNotScheduled
@@ -42,9 +43,10 @@ def install(app: Celery) -> Celery:
     if KafkaConsumerStep not in app.steps["consumer"]:
         app.steps["consumer"].add(KafkaConsumerStep)
     metrics.register_app(app)
-    if not getattr(app, "_delayed_failures_parked", False):
+    if not getattr(app, "_delayed_signals_connected", False):
         park_failures(app)
-        app._delayed_failures_parked = True
+        remember_finished(app)
+        app._delayed_signals_connected = True
     return app
 
 

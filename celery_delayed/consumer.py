@@ -31,7 +31,7 @@ from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope
 from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import REVOKED, RunClaims, finished
+from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, finished
 from .redis_client import UNREACHABLE
 from .revoke import record_revoked
 from .settings import Settings
@@ -273,6 +273,7 @@ class KafkaFeed:
         task_id = envelope.task_id
         headers = dict(envelope.headers)
         headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
+        headers[FROM_KAFKA] = 1  # the process running it remembers when it finished
         try:
             strategy = self.c.strategies[headers["task"]]
         except KeyError:
@@ -287,6 +288,9 @@ class KafkaFeed:
             record_revoked(self.c.app, task_id, envelope, reason="revoked")
             metrics.SKIPPED_REVOKED.inc()
             self._settle(partition, offset)
+            return
+        if wait_ms == FINISHED:
+            self._skip_finished(task_id, partition, offset)
             return
         if wait_ms:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Protocol
 
 from .envelope import Envelope, EnvelopeError
+from .once import forget_finished
 from .redis_client import Script, execute
 from .store import DelayedStore
 
@@ -167,6 +168,7 @@ class DeadLetters:
             return
         for task_id, _, _ in records:
             _forget(backend, task_id)
+        forget_finished(self.store, [task_id for task_id, _, _ in records])
         self.store.schedule_many((task_id, now_ms, envelope) for task_id, _, envelope in records)
         pipe = self.store.redis.pipeline(transaction=False)
         for task_id, record, _ in records:

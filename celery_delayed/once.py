@@ -3,12 +3,14 @@ copies of one task_id never run at the same time.
 
 Kafka and the poller deliver at least once, so a task can arrive twice.  Before
 a worker hands a task to Celery it checks the result backend for a terminal
-state, then takes a *run claim* (``<prefix>:run:<task_id>``, SET NX with a
-lease), unless the id was revoked (:func:`.revoke.remember_revoked`).  The
-worker extends the claims of its running tasks while they run and releases each
-when Celery settles the task; a claim left by a killed worker expires after the
-lease.  A copy that finds the claim taken is put back in the store, due when the
-claim would expire, so it is never dropped.
+state, then takes a *run claim* (``<prefix>:run:{<task_id>}``, SET NX with a
+lease), unless the id was revoked (:func:`.revoke.remember_revoked`) or its run
+from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`: this
+covers tasks whose result is ignored, or not stored).  The worker extends the
+claims of its running tasks while they run and releases each when Celery
+settles the task; a claim left by a killed worker expires after the lease.  A
+copy that finds the claim taken is put back in the store, due when the claim
+would expire, so it is never dropped.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import logging
 import threading
 import time
 
+from typing import Any
+
 import redis
-from celery import states
+from celery import Celery, Task, signals, states
 from celery.backends.base import DisabledBackend
 
 from .redis_client import UNREACHABLE, Script, execute
@@ -27,8 +31,11 @@ from .store import DelayedStore
 logger = logging.getLogger(__name__)
 
 
-#: :meth:`RunClaims.acquire`'s answer for a revoked task id.
-REVOKED = -1
+#: :meth:`RunClaims.acquire`'s answers for a revoked task id, and for one that finished.
+REVOKED, FINISHED = -1, -2
+#: Header the worker's Kafka consumer adds to each message it hands to Celery, so the
+#: process that runs the task knows to remember when it finished.
+FROM_KAFKA = "x_celery_delayed"
 
 
 class RunClaims:
@@ -57,9 +64,10 @@ class RunClaims:
         return f"{self.prefix}:run:{{{task_id}}}"
 
     def acquire(self, task_id: str) -> int:
-        """Claim ``task_id``: 0 on success, :data:`REVOKED` when the task was revoked,
-        else the ms until the current claim expires."""
-        wait_ms = self._acquire(keys=[self.key(task_id), revoke_key(self.prefix, task_id)],
+        """Claim ``task_id``: 0 on success, :data:`REVOKED` or :data:`FINISHED` when it must
+        not run, else the ms until the current claim expires."""
+        wait_ms = self._acquire(keys=[self.key(task_id), revoke_key(self.prefix, task_id),
+                                      finished_key(self.prefix, task_id)],
                                 args=[self.owner, self.lease_ms])
         if wait_ms == 0:
             with self._lock:
@@ -89,6 +97,41 @@ class RunClaims:
                 execute(self.redis, pipe)
             except (redis.RedisError, *UNREACHABLE) as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
+
+
+def finished_key(prefix: str, task_id: str) -> str:
+    """Redis key remembering that ``task_id`` finished (hash-tagged by the id, as its run claim)."""
+    return f"{prefix}:done:{{{task_id}}}"
+
+
+def remember_finished(app: Celery) -> None:
+    """Connect a ``task_postrun`` handler recording, for ``delayed_done_ttl`` seconds, each task
+    id from Kafka that ended in a terminal state (not a retry), where the task ran."""
+
+    def on_postrun(sender: Task | None = None, task_id: str | None = None, state: str | None = None,
+                   **_: Any) -> None:
+        if sender is None or sender.app is not app or state not in states.READY_STATES:
+            return
+        if not getattr(sender.request, FROM_KAFKA, None):
+            return
+        store = app.amqp.delayed_store
+        ttl_ms = int(store.settings.done_ttl * 1000)
+        if ttl_ms <= 0:
+            return
+        try:
+            store.redis.set(finished_key(store.settings.key_prefix, task_id), 1, px=ttl_ms)
+        except (redis.RedisError, *UNREACHABLE) as exc:  # the result backend check still applies
+            logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
+
+    signals.task_postrun.connect(on_postrun, weak=False)
+
+
+def forget_finished(store: DelayedStore, task_ids: list[str]) -> None:
+    """Drop the finished records of ``task_ids`` (before they are deliberately run again)."""
+    pipe = store.redis.pipeline(transaction=False)
+    for task_id in task_ids:
+        pipe.delete(finished_key(store.settings.key_prefix, task_id))
+    store.execute(pipe)
 
 
 def finished(backend, task_id: str) -> bool:

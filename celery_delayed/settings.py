@@ -83,6 +83,10 @@ class Settings:
     #: Days a revoke is remembered in Redis, so a revoked task that is already on
     #: Kafka, or retries into the store, never runs, even on workers started later.
     revoke_days: float = 30.0
+    #: Seconds a task id that ran from Kafka and finished is remembered, so a late
+    #: duplicate delivery is acknowledged without running even when the task's
+    #: result is ignored or not stored (0 = rely on the result backend alone).
+    done_ttl: float = 3600.0
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -130,6 +134,7 @@ class Settings:
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
         _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
         _require(self.revoke_days > 0, "revoke_days", "must be > 0")
+        _require(self.done_ttl >= 0, "done_ttl", "must be >= 0 seconds (0 = off)")
         scheme = urlsplit(self.redis_url).scheme
         _require(scheme in ("redis", "rediss", "unix"), "redis_url",
                  f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")

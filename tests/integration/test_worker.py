@@ -114,6 +114,30 @@ def test_duplicate_deliveries_run_once(overrides, processes):
     assert int(r.hget(f"demo:{run}:runs", slow.id)) == 1
 
 
+def test_a_late_duplicate_of_a_task_whose_result_is_ignored_does_not_run_again(overrides, processes):
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    settings = app.amqp.delayed_settings
+    store = store_of(app)
+    run = uuid.uuid4().hex
+    quiet = app.tasks["tasks.demo.work"].apply_async((run,), countdown=3600, ignore_result=True)
+    envelope = store.message(quiet.id)
+    store.cancel(quiet.id)
+    producer = Producer(settings.kafka())
+    topic = settings.topic(app.conf.task_default_queue)
+    processes.worker("w1")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    producer.produce(topic, key=quiet.id, value=envelope)
+    producer.flush(10)
+    wait_for(lambda: r.hget(f"demo:{run}:runs", quiet.id), 60, "the task to run")
+    wait_for(lambda: committed(app) == 1, 30, "its offset to be committed")
+    assert app.backend.get_task_meta(quiet.id)["status"] == "PENDING"  # no result for the backend check to find
+    producer.produce(topic, key=quiet.id, value=envelope)  # a copy redelivered after the task finished
+    producer.flush(10)
+    wait_for(lambda: committed(app) == 2, 30, "the late copy to be acknowledged")
+    assert int(r.hget(f"demo:{run}:runs", quiet.id)) == 1
+
+
 def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(overrides, processes):
     app = create_app(**overrides)
     settings = app.amqp.delayed_settings

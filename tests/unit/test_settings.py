@@ -24,6 +24,7 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
     ("partitions", 1.5, "delayed_partitions must be int"),
     ("lease_ttl", 1, "delayed_lease_ttl must be >= 2"),
     ("revoke_days", 0, "delayed_revoke_days must be > 0"),
+    ("done_ttl", -1, "delayed_done_ttl must be >= 0"),
     ("run_lease", 1, "delayed_run_lease must be >= 3"),
     ("redis_url", "http://x", "delayed_redis_url must be a redis://"),
     ("kafka_servers", "nohostport", "delayed_kafka_servers must be host:port"),

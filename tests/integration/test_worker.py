@@ -9,6 +9,7 @@ import uuid
 import pytest
 import redis
 from confluent_kafka import Producer, TopicPartition
+from celery.result import AsyncResult
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed import store_of
@@ -21,6 +22,22 @@ from .support import wait_for
 
 def due_in(app, name: str, args: tuple, seconds: float = 1.5, **options):
     return app.tasks[name].apply_async(args, countdown=seconds, **options)
+
+
+def taken_out(app, name: str, args: tuple, **options) -> tuple[AsyncResult, bytes]:
+    """A task scheduled an hour ahead, then taken out of the store: its result and its stored
+    message, for a test to put on Kafka itself (as often as it likes)."""
+    result = app.tasks[name].apply_async(args, countdown=3600, **options)
+    store = store_of(app)
+    envelope = store.message(result.id)
+    store.cancel(result.id)
+    return result, envelope
+
+
+def kafka_queue(app) -> tuple[Producer, str]:
+    """A producer, and the Kafka topic of the app's default queue."""
+    settings = app.amqp.delayed_settings
+    return Producer(settings.kafka()), settings.topic(app.conf.task_default_queue)
 
 
 def committed(app, partition: int = 0) -> int:
@@ -87,14 +104,10 @@ def test_killed_pool_child_task_runs_again(overrides, processes):
 def test_duplicate_deliveries_run_once(overrides, processes):
     overrides.update(delayed_run_lease=5)
     app = create_app(**overrides)
-    settings = app.amqp.delayed_settings
     store = store_of(app)
     run = uuid.uuid4().hex
-    slow = app.tasks["tasks.demo.work"].apply_async((run, 3.0), countdown=3600)
-    envelope = store.message(slow.id)
-    store.cancel(slow.id)
-    producer = Producer(settings.kafka())
-    topic = settings.topic(app.conf.task_default_queue)
+    slow, envelope = taken_out(app, "tasks.demo.work", (run, 3.0))
+    producer, topic = kafka_queue(app)
     processes.poller()
     processes.worker("w1", "-c", "4")
     for _ in range(2):  # two copies in flight at once
@@ -117,14 +130,9 @@ def test_duplicate_deliveries_run_once(overrides, processes):
 def test_a_late_duplicate_of_a_task_whose_result_is_ignored_does_not_run_again(overrides, processes):
     overrides.update(delayed_topic_partitions=1)
     app = create_app(**overrides)
-    settings = app.amqp.delayed_settings
-    store = store_of(app)
     run = uuid.uuid4().hex
-    quiet = app.tasks["tasks.demo.work"].apply_async((run,), countdown=3600, ignore_result=True)
-    envelope = store.message(quiet.id)
-    store.cancel(quiet.id)
-    producer = Producer(settings.kafka())
-    topic = settings.topic(app.conf.task_default_queue)
+    quiet, envelope = taken_out(app, "tasks.demo.work", (run,), ignore_result=True)
+    producer, topic = kafka_queue(app)
     processes.worker("w1")
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     producer.produce(topic, key=quiet.id, value=envelope)
@@ -140,15 +148,11 @@ def test_a_late_duplicate_of_a_task_whose_result_is_ignored_does_not_run_again(o
 
 def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(overrides, processes):
     app = create_app(**overrides)
-    settings = app.amqp.delayed_settings
-    topic = settings.topic(app.conf.task_default_queue)
+    producer, topic = kafka_queue(app)
     processes.worker("w1")
-    producer = Producer(settings.kafka())
     producer.produce(topic, key=b"garbage-1", value=b"\xff\xfe not an envelope")
-    unknown = app.tasks["tasks.demo.add"].apply_async((1, 2), countdown=3600)
+    unknown, envelope = taken_out(app, "tasks.demo.add", (1, 2))
     store = store_of(app)
-    envelope = store.message(unknown.id)
-    store.cancel(unknown.id)
     poisoned = Envelope.decode(envelope)
     poisoned.headers["task"] = "tasks.demo.nope"
     producer.produce(topic, key=unknown.id, value=poisoned.encode())

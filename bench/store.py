@@ -2,14 +2,15 @@
 
 For each size N (1M and 10M; ``--quick``: 200k) the real message Celery builds
 for ``tasks.demo.add(2, 2)`` is cloned N times with fresh task ids and due times
-spread over a day, encoded exactly as the client stores it (compact, deflated
-when at least ``delayed_compress_min_bytes``) by a pool of processes, then
-stored by one client process with one ``DelayedStore.schedule_many`` call.
+spread over a day (``--spread-hours``), encoded exactly as the client stores it
+(compact, deflated when at least ``delayed_compress_min_bytes``) by a pool of
+processes, then stored by one client process with one ``DelayedStore.schedule_many``
+call.
 Reported: tasks/s of that call, Redis memory per task (``used_memory`` delta / N)
 and what of it lies beyond the stored message and beyond Celery's body.  The
 keys are UNLINKed right after each size is measured.
 
-``python -m bench.store [--quick] [--tasks 1000000,10000000] [--partitions 16]``
+``python -m bench.store [--quick] [--tasks 1000000,10000000] [--partitions 16] [--spread-hours 24]``
 Results (JSON and a PNG of memory and insert rate against tasks stored) go to
 ``bench/results/``.  Refuses to start while another ``bench.*`` process runs.
 """
@@ -40,8 +41,8 @@ from .common import RESULTS, new_overrides, settings_of, unlink_prefix
 from .dispatch import capture_template, envelope_bytes, git_state
 
 console = Console(width=None if Console().is_terminal else 150)
-#: Due times are spread uniformly over this window, starting an hour from now.
-SPREAD_MS = 24 * 3600 * 1000
+#: Due times are spread uniformly over this many hours (``--spread-hours``), from an hour from now.
+SPREAD_HOURS = 24.0
 ENCODE_CHUNK = 50_000
 #: Memory and time are sampled every this many stored tasks.
 SAMPLE_EVERY = 100_000
@@ -57,23 +58,24 @@ def other_benchmarks() -> list[str]:
 
 
 # -- messages ----------------------------------------------------------------------
-def encode_chunk(job: tuple[Envelope, str, int, int, int, int]) -> list[tuple[str, int, bytes]]:
+def encode_chunk(job: tuple[Envelope, str, int, int, int, int, int]) -> list[tuple[str, int, bytes]]:
     """``count`` stored items cloned from ``template`` (run in a pool process)."""
-    template, queue, first_due_ms, count, seed, compress_min_bytes = job
+    template, queue, first_due_ms, spread_ms, count, seed, compress_min_bytes = job
     rng = random.Random(seed)
     items = []
     for _ in range(count):
         task_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))
-        due_ms = first_due_ms + rng.randrange(SPREAD_MS)
+        due_ms = first_due_ms + rng.randrange(spread_ms)
         items.append((task_id, due_ms, deflate(envelope_bytes(template, queue, task_id, due_ms), compress_min_bytes)))
     return items
 
 
-def encode(template: Envelope, queue: str, n: int, compress_min_bytes: int,
+def encode(template: Envelope, queue: str, n: int, spread_hours: float, compress_min_bytes: int,
            progress: Progress) -> tuple[list[tuple[str, int, bytes]], float]:
     """``n`` items encoded by a process pool, and the seconds it took."""
     first_due = int(time.time() * 1000) + 3_600_000
-    jobs = [(template, queue, first_due, min(ENCODE_CHUNK, n - start), start, compress_min_bytes)
+    spread_ms = int(spread_hours * 3_600_000)
+    jobs = [(template, queue, first_due, spread_ms, min(ENCODE_CHUNK, n - start), start, compress_min_bytes)
             for start in range(0, n, ENCODE_CHUNK)]
     bar = progress.add_task(f"encode {n:,}", total=n)
     items: list[tuple[str, int, bytes]] = []
@@ -97,12 +99,13 @@ def wait_for_lazyfree(client: redis.Redis, timeout: float = 300.0) -> None:
         time.sleep(0.5)
 
 
-def measure(template: Envelope, n: int, partitions: int, progress: Progress) -> dict[str, Any]:
+def measure(template: Envelope, n: int, partitions: int, spread_hours: float, progress: Progress) -> dict[str, Any]:
     """Encode and store ``n`` tasks in a fresh key prefix; rate, memory, then UNLINK everything."""
     overrides = new_overrides(partitions)
     settings = settings_of(overrides)
     store = DelayedStore(settings)
-    items, encode_s = encode(template, overrides["task_default_queue"], n, settings.compress_min_bytes, progress)
+    items, encode_s = encode(template, overrides["task_default_queue"], n, spread_hours, settings.compress_min_bytes,
+                             progress)
     stored_bytes = sum(len(data) for _, _, data in items) / n
     wait_for_lazyfree(store.redis)
     before = used_memory(store.redis)
@@ -128,7 +131,8 @@ def measure(template: Envelope, n: int, partitions: int, progress: Progress) -> 
         unlink_prefix(store.redis, settings.key_prefix)
         wait_for_lazyfree(store.redis)
     per_task = delta / n
-    return {"tasks": n, "added": added, "counted": counted, "partitions": partitions, "seconds": round(seconds, 2),
+    return {"tasks": n, "added": added, "counted": counted, "partitions": partitions, "spread_hours": spread_hours,
+            "seconds": round(seconds, 2),
             "tasks_per_s": round(n / seconds), "encode_seconds": round(encode_s, 2),
             "used_memory_delta": delta, "bytes_per_task": round(per_task, 1),
             "stored_message_bytes": round(stored_bytes, 1), "celery_body_bytes": len(template.body),
@@ -192,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="CI profile: 200k tasks")
     parser.add_argument("--tasks", help="comma-separated sizes (default 1000000,10000000)")
     parser.add_argument("--partitions", type=int, default=16)
+    parser.add_argument("--spread-hours", type=float, default=SPREAD_HOURS,
+                        help="due times spread over this many hours (default 24; denser buckets cost more memory)")
     opts = parser.parse_args(argv)
     opts.sizes = [int(s) for s in (opts.tasks or ("200000" if opts.quick else "1000000,10000000")).split(",")]
     return opts
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         for n in opts.sizes:
-            results.append(measure(template, n, opts.partitions, progress))
+            results.append(measure(template, n, opts.partitions, opts.spread_hours, progress))
     context["loadavg_end"] = os.getloadavg()
     report(results)
     goals = {f"{r['tasks']:,} tasks": {"10M in under 180 s at this rate": r["seconds"] * 10_000_000 / r["tasks"]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Protocol
 
 from .envelope import Envelope, EnvelopeError
-from .once import forget_finished
+from .once import forget_run_records
 from .redis_client import Script, execute
 from .store import DelayedStore
 
@@ -117,7 +117,8 @@ class DeadLetters:
         Returns False when there is no such dead letter.  Raises
         :class:`DeadLetterError`, leaving the record in place, when its message
         is not an envelope of that task.  ``backend``: the app's result backend,
-        whose stored result of the task is forgotten so the rerun is not skipped.
+        whose stored result of the task is forgotten so the rerun is not skipped;
+        the task's done and revoked records are dropped for the same reason.
         """
         data = self.store.redis.hget(self.keys[0], task_id)
         if data is None:
@@ -168,7 +169,7 @@ class DeadLetters:
             return
         for task_id, _, _ in records:
             _forget(backend, task_id)
-        forget_finished(self.store, [task_id for task_id, _, _ in records])
+        forget_run_records(self.store, [task_id for task_id, _, _ in records])
         self.store.schedule_many((task_id, now_ms, envelope) for task_id, _, envelope in records)
         pipe = self.store.redis.pipeline(transaction=False)
         for task_id, record, _ in records:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 
 from typing import Any
 
@@ -25,7 +26,6 @@ from celery import Celery, Task, signals, states
 from celery.backends.base import DisabledBackend
 
 from .redis_client import UNREACHABLE, Script, execute
-from .revoke import revoke_key
 from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,12 @@ class RunClaims:
         self._keeper.start()
 
     def key(self, task_id: str) -> str:
-        return f"{self.prefix}:run:{{{task_id}}}"
+        return task_key(self.prefix, "run", task_id)
 
     def acquire(self, task_id: str) -> int:
         """Claim ``task_id``: 0 on success, :data:`REVOKED` or :data:`FINISHED` when it must
         not run, else the ms until the current claim expires."""
-        wait_ms = self._acquire(keys=[self.key(task_id), revoke_key(self.prefix, task_id),
-                                      finished_key(self.prefix, task_id)],
+        wait_ms = self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
                                 args=[self.owner, self.lease_ms])
         if wait_ms == 0:
             with self._lock:
@@ -99,9 +98,13 @@ class RunClaims:
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
 
 
-def finished_key(prefix: str, task_id: str) -> str:
-    """Redis key remembering that ``task_id`` finished (hash-tagged by the id, as its run claim)."""
-    return f"{prefix}:done:{{{task_id}}}"
+def task_key(prefix: str, kind: str, task_id: str) -> str:
+    """Redis key of a task id's ``run`` claim, ``revoked`` or ``done`` record.
+
+    The three share a hash tag, the CRC-32 of the id (an id itself may hold
+    braces), so :file:`lua/acquire.lua` reads them together on Redis Cluster.
+    """
+    return f"{prefix}:{kind}:{{{zlib.crc32(task_id.encode()):08x}}}{task_id}"
 
 
 def remember_finished(app: Celery) -> None:
@@ -119,18 +122,28 @@ def remember_finished(app: Celery) -> None:
         if ttl_ms <= 0:
             return
         try:
-            store.redis.set(finished_key(store.settings.key_prefix, task_id), 1, px=ttl_ms)
+            store.redis.set(task_key(store.settings.key_prefix, "done", task_id), 1, px=ttl_ms)
         except (redis.RedisError, *UNREACHABLE) as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
     signals.task_postrun.connect(on_postrun, weak=False)
 
 
-def forget_finished(store: DelayedStore, task_ids: list[str]) -> None:
-    """Drop the finished records of ``task_ids`` (before they are deliberately run again)."""
+def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
+    """Record the ids as revoked for ``delayed_revoke_days``; workers will not run them."""
+    ttl_ms = int(store.settings.revoke_days * 86_400_000)
     pipe = store.redis.pipeline(transaction=False)
     for task_id in task_ids:
-        pipe.delete(finished_key(store.settings.key_prefix, task_id))
+        pipe.set(task_key(store.settings.key_prefix, "revoked", task_id), 1, px=ttl_ms)
+    store.execute(pipe)
+
+
+def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
+    """Drop the ``done`` and ``revoked`` records of ``task_ids``, which are deliberately run again."""
+    pipe = store.redis.pipeline(transaction=False)
+    for task_id in task_ids:
+        for kind in ("done", "revoked"):  # one key per DEL: a cluster pipeline refuses several
+            pipe.delete(task_key(store.settings.key_prefix, kind, task_id))
     store.execute(pipe)
 
 

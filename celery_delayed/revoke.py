@@ -4,9 +4,9 @@ Celery's revoke is a broadcast that workers keep in memory, so a task due weeks
 later, or after every worker restarted, would run anyway.  :class:`DelayedControl`
 (the app's ``control_cls`` once :func:`celery_delayed.install` ran, so
 ``AsyncResult.revoke``, ``app.control.revoke`` and Flower's revoke all go through
-it) first removes each id from the store for good and records it as REVOKED,
-as a worker would have, and remembers every revoked id in Redis for
-``delayed_revoke_days``; then it broadcasts Celery's revoke as usual.  A worker
+it) first remembers every revoked id in Redis for ``delayed_revoke_days``,
+then removes each from the store for good and records it as REVOKED, as a
+worker would have; then it broadcasts Celery's revoke as usual.  A worker
 checks that record before it runs a task (:meth:`.once.RunClaims.acquire`), so a
 task already claimed by a poller or waiting on Kafka, or one that was running
 and retries into the store, does not run either, on any worker, started when
@@ -25,7 +25,7 @@ from celery.utils.functional import maybe_list
 from kombu.serialization import prepare_accept_content
 
 from .envelope import Envelope, EnvelopeError
-from .store import DelayedStore
+from .once import remember_revoked
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,8 @@ def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
     """
     store = app.amqp.delayed_store
     outcomes = {}
-    removed_by_id = store.cancel_many(task_ids)
-    remember_revoked(store, task_ids)
-    for task_id, removed in removed_by_id.items():
+    remember_revoked(store, task_ids)  # first: a worker must not run what is cancelled next
+    for task_id, removed in store.cancel_many(task_ids).items():
         outcomes[task_id] = CANCELLED if isinstance(removed, bytes) else removed
         if isinstance(removed, bytes):
             try:
@@ -69,20 +68,6 @@ def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
                 envelope = None
             record_revoked(app, task_id, envelope, reason="revoked")
     return outcomes
-
-
-def revoke_key(prefix: str, task_id: str) -> str:
-    """Redis key remembering that ``task_id`` was revoked (hash-tagged by the id, as its run claim)."""
-    return f"{prefix}:revoked:{{{task_id}}}"
-
-
-def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
-    """Record the ids as revoked for ``delayed_revoke_days``; workers will not run them."""
-    ttl_ms = int(store.settings.revoke_days * 86_400_000)
-    pipe = store.redis.pipeline(transaction=False)
-    for task_id in task_ids:
-        pipe.set(revoke_key(store.settings.key_prefix, task_id), 1, px=ttl_ms)
-    store.execute(pipe)
 
 
 def record_revoked(app: Celery, task_id: str, envelope: Envelope | None, reason: str,

@@ -55,6 +55,8 @@ MAX_PAGE = 10_000
 BUCKET_SECONDS = 10
 #: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
 _BUCKET = struct.Struct(">I")
+#: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
+MAX_DUE_MS = 2**32 * 1000
 
 
 class StoreUnavailable(RuntimeError):
@@ -124,8 +126,8 @@ def task_id_of(member: bytes) -> str:
 
 
 def bucket_of(due_ms: int) -> int:
-    """Start (s since the epoch) of the time bucket holding a due time (before 1970: the first)."""
-    return max(due_ms, 0) // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
+    """Start (s since the epoch) of the time bucket holding a due time."""
+    return due_ms // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
 
 
 def due_ms_of(when: datetime | int) -> int:
@@ -189,7 +191,9 @@ class DelayedStore:
         once it is stored.  Past one batch, :data:`SENDERS` helper threads (each
         on its own connection) send pipelines while the next is grouped, so one
         packs commands while Redis runs another's scripts.  When an id occurs
-        in two batches, either copy may win.
+        in two batches, either copy may win.  When a batch fails, the (at most
+        two) batches already sent may still be stored without a progress call;
+        scheduling again is safe, as stored ids are kept.
         A bad item raises ``ValueError`` naming it before its batch is written
         (earlier batches stay stored); each task is stored whole or not at all.
         """
@@ -214,7 +218,8 @@ class DelayedStore:
         for batch in _chunks(items, SCHEDULE_BATCH):
             by_partition: dict[int, list] = {}
             for index, (task_id, due_ms, data) in enumerate(batch):
-                if type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id:
+                if (type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id
+                        or task_id[0] == "\0" or not 0 <= due_ms < MAX_DUE_MS):
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
                 by_partition.setdefault(self.partition(task_id), []).extend(
@@ -255,7 +260,7 @@ class DelayedStore:
         Raises :class:`TaskNotScheduled` for an id the store does not hold and
         :class:`TaskInFlight` for a task a poller is already dispatching.
         """
-        due_ms = due_ms_of(due)
+        due_ms = _in_range(due_ms_of(due))
         p = self.partition(task_id)
         moved = self._call("reschedule", self._keys(p),
                            [self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS, member_of(task_id), due_ms])
@@ -336,7 +341,8 @@ class DelayedStore:
         now_ms = self.now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            self._scripts["counts"](keys=self._keys(p), args=[self.key(p, "t:"), now_ms], client=pipe)
+            self._scripts["counts"](keys=self._keys(p), args=[self.key(p, "t:"), now_ms, BUCKET_SECONDS],
+                                    client=pipe)
         rows = []
         for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
@@ -410,13 +416,20 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 
 def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int) -> int:
     """The due ms of item ``index`` as an int; ``ValueError`` naming the item when it cannot be stored."""
-    if not isinstance(task_id, str) or not task_id:
-        raise ValueError(f"item {index}: task id must be a non-empty str, got {task_id!r}")
+    if not isinstance(task_id, str) or not task_id or task_id[0] == "\0":
+        raise ValueError(f"item {index}: task id must be a non-empty str not starting with NUL, got {task_id!r}")
     if not isinstance(due_ms, (int, float)) or isinstance(due_ms, bool) or not math.isfinite(due_ms):
         raise ValueError(f"item {index} ({task_id}): due time must be ms since the epoch, got {due_ms!r}")
     if not isinstance(data, (bytes, bytearray)):
         raise ValueError(f"item {index} ({task_id}): message must be bytes, got {type(data).__name__}")
-    return int(due_ms)
+    return _in_range(int(due_ms), f"item {index} ({task_id}): ")
+
+
+def _in_range(due_ms: int, what: str = "") -> int:
+    """``due_ms`` if the store can hold it (its bucket start fits 4 bytes), else ``ValueError``."""
+    if not 0 <= due_ms < MAX_DUE_MS:
+        raise ValueError(f"{what}due time must be between 1970 and 2106 (ms since the epoch), got {due_ms}")
+    return due_ms
 
 
 def _parse_cursor(cursor: str | None, partitions: int) -> tuple[int | None, dict[int, int]]:

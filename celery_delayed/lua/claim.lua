@@ -24,17 +24,18 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
 
--- expired claims go back to the bucket of "now", message and all
+-- expired claims go back to the bucket of "now", message and all (bucket first, as
+-- in nack.lua, so a failure on an undeclared key leaves the task in flight)
 local expired = redis.call('ZRANGE', KEYS[3], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
 local bucket = math.floor(now / 1000 / width) * width
 for _, id in ipairs(expired) do
-  redis.call('ZREM', KEYS[3], id)
   local message = redis.call('HGET', KEYS[2], id)
   if message then
     redis.call('ZADD', ARGV[4] .. bucket, now, id)
     redis.call('ZADD', KEYS[1], 'LT', now, bucket)
     redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
   end
+  redis.call('ZREM', KEYS[3], id)
 end
 
 local out = {now, -1}

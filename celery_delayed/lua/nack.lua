@@ -1,6 +1,9 @@
 -- Return claimed tasks whose delivery failed to their partition, due again after
 -- a short delay (by Redis' clock), so a Kafka outage delays tasks but loses none.
 -- Each goes to the bucket of its new due time; its message records that bucket.
+-- The bucket is written before the task leaves inflight: on a Redis Cluster slot
+-- migration a bucket key (built here, not declared) can fail mid-script, and the
+-- task must then still be in flight, to come back after its visibility timeout.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms, then task ids
@@ -12,10 +15,11 @@ local n = 0
 for i = 4, #ARGV do
   local id = ARGV[i]
   local message = redis.call('HGET', KEYS[2], id)
-  if redis.call('ZREM', KEYS[3], id) == 1 and message then
+  if message and redis.call('ZSCORE', KEYS[3], id) then
     redis.call('ZADD', ARGV[1] .. bucket, due, id)
     redis.call('ZADD', KEYS[1], 'LT', due, bucket)
     redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
+    redis.call('ZREM', KEYS[3], id)
     n = n + 1
   end
 end

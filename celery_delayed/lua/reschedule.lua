@@ -14,12 +14,16 @@ if not message then return 0 end
 if redis.call('ZSCORE', KEYS[3], id) then return -1 end
 local old = struct.unpack('>I4', message)
 local key = ARGV[2] .. old
+local bucket = math.floor(due / 1000 / width) * width
+-- read both bucket keys before any write: on a Redis Cluster slot migration an
+-- undeclared key fails here, with nothing changed yet
+redis.call('EXISTS', key)
+redis.call('EXISTS', ARGV[2] .. bucket)
 redis.call('ZREM', key, id)
 local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
 if rest[2] then redis.call('ZADD', KEYS[1], rest[2], old) else redis.call('ZREM', KEYS[1], old) end
 
 local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local bucket = math.floor(due / 1000 / width) * width
 redis.call('ZADD', ARGV[2] .. bucket, due, id)
 redis.call('ZADD', KEYS[1], 'LT', due, bucket)
 redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))

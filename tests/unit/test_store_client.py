@@ -7,8 +7,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from celery import Celery
 from kombu.message import Message
+from redis.crc import key_slot
 
 import celery_delayed
+from celery_delayed.once import task_key
 from celery_delayed.client import DelayedPublishError
 from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor, due_ms_of, member_of, task_id_of
 
@@ -51,6 +53,9 @@ def test_a_malformed_eta_is_a_clear_error():
     (("a", float("nan"), b"\x01x"), "due time must be ms"),
     (("a", True, b"\x01x"), "due time must be ms"),
     (("a", 1, "text"), "message must be bytes, got str"),
+    (("\0a", 1, b"\x01x"), "task id must be a non-empty str not starting with NUL"),
+    (("a", -1, b"\x01x"), r"item 7 \(a\): due time must be between 1970 and 2106"),
+    (("a", 2**32 * 1000, b"\x01x"), "due time must be between 1970 and 2106"),
 ])
 def test_bad_items_are_named(item, words):
     with pytest.raises(ValueError, match=words):
@@ -87,3 +92,10 @@ def test_stored_ids_are_16_bytes_only_for_canonical_uuids_and_always_round_trip(
     assert len(set(members)) == len(IDS)  # one form per id: no two ids share a member
     assert [len(m) == 16 for m in members] == [True, True] + [False] * (len(IDS) - 2)
     assert member_of(IDS[0]) == uuid.UUID(IDS[0]).bytes
+
+
+@pytest.mark.parametrize("task_id", [str(uuid.uuid4()), "}x{", "{a}b", "}", "plain"])
+def test_a_task_ids_run_claim_and_records_share_one_cluster_slot(task_id):
+    slots = {key_slot(task_key("cd", kind, task_id).encode()) for kind in ("run", "revoked", "done")}
+    assert len(slots) == 1
+    assert task_key("cd", "run", task_id).endswith(task_id)

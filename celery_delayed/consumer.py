@@ -21,7 +21,6 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
-import redis
 from confluent_kafka import Consumer, TopicPartition
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
@@ -32,18 +31,15 @@ from .envelope import Envelope
 from .kafka import ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, finished
-from .redis_client import UNREACHABLE
 from .revoke import record_revoked
 from .settings import Settings
-from .store import DelayedStore, StoreUnavailable
+from .store import STORE_ERRORS, DelayedStore
 
 logger = logging.getLogger(__name__)
 
 #: Unsettled records a worker holds when Celery's prefetch limit is unlimited.
 DEFAULT_MAX_UNSETTLED = 1000
 COMMIT_INTERVAL = 0.5
-#: Errors that say "try again shortly", not "this message is bad".
-TRANSIENT = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0
@@ -256,11 +252,11 @@ class KafkaFeed:
             try:
                 try:
                     self._dispatch(record, partition)
-                except TRANSIENT:
+                except STORE_ERRORS:
                     raise
                 except Exception as exc:  # never let one message break the loop
                     self._dead_letter(record, partition, f"dispatch failed: {exc!r}", traceback.format_exc())
-            except TRANSIENT as exc:  # Redis or the result backend blinked: the same record again soon
+            except STORE_ERRORS as exc:  # Redis or the result backend blinked: the same record again soon
                 logger.warning("task delivery deferred 1 s: %s", exc)
                 with self._ready_lock:
                     self._ready.appendleft((record, partition))
@@ -317,7 +313,7 @@ class KafkaFeed:
             if requeue:  # back through the store, due now, so the requeue survives any crash
                 try:
                     self._put_back(task_id, record.value())
-                except TRANSIENT as exc:  # unsettled, the record is read again after a restart
+                except STORE_ERRORS as exc:  # unsettled, the record is read again after a restart
                     logger.error("task %s could not be requeued (%s); left uncommitted", task_id, exc)
                     return
             self._settle(partition, offset)

@@ -18,15 +18,13 @@ import logging
 import threading
 import time
 import zlib
-
 from typing import Any
 
-import redis
 from celery import Celery, Task, signals, states
 from celery.backends.base import DisabledBackend
 
-from .redis_client import UNREACHABLE, Script, execute
-from .store import DelayedStore
+from .redis_client import Script, execute
+from .store import STORE_ERRORS, DelayedStore
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +77,7 @@ class RunClaims:
             self._held.discard(task_id)
         try:
             self._release(keys=[self.key(task_id)], args=[self.owner])
-        except (redis.RedisError, *UNREACHABLE) as exc:
+        except STORE_ERRORS as exc:
             logger.warning("run claim of %s not released (%s); it expires after its lease", task_id, exc)
 
     def _keep(self) -> None:
@@ -94,7 +92,7 @@ class RunClaims:
                 for task_id in held:
                     self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
                 execute(self.redis, pipe)
-            except (redis.RedisError, *UNREACHABLE) as exc:  # try again next round, well within the lease
+            except STORE_ERRORS as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
 
 
@@ -123,7 +121,7 @@ def remember_finished(app: Celery) -> None:
             return
         try:
             store.redis.set(task_key(store.settings.key_prefix, "done", task_id), 1, px=ttl_ms)
-        except (redis.RedisError, *UNREACHABLE) as exc:  # the result backend check still applies
+        except STORE_ERRORS as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
     signals.task_postrun.connect(on_postrun, weak=False)

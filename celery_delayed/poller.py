@@ -16,7 +16,6 @@ import time
 from collections import defaultdict
 from typing import Callable
 
-import redis
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
@@ -24,14 +23,12 @@ from .dlq import DeadLetter, DeadLetters
 from .envelope import EnvelopeError, decode_meta
 from .kafka import ensure_topics, make_producer
 from .leadership import Leadership
-from .redis_client import UNREACHABLE
 from .settings import Settings
-from .store import DelayedStore, Fenced, StoreUnavailable
+from .store import STORE_ERRORS, DelayedStore, Fenced
 
 logger = logging.getLogger(__name__)
 
 #: What a Redis call of the store may raise: the loop logs it and goes on.
-STORE_ERRORS = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
 #: Delivery errors about the message itself: retrying cannot help, so it goes to the
 #: dead-letter queue.  Every other error (timeouts, outages, authorisation) returns
 #: the task to due and is retried, however long that takes.

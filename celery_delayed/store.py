@@ -67,6 +67,11 @@ class StoreUnavailable(RuntimeError):
     """
 
 
+#: What a call to the store's Redis raises when it should simply be tried again later:
+#: unreachable (standalone or cluster), read-only after a failover, out of memory...
+STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
+
+
 class Fenced(RuntimeError):
     """A newer leader owns the partition: this poller must stop dispatching it."""
 
@@ -280,7 +285,7 @@ class DelayedStore:
         stored, deadline = self.execute(pipe)
         if stored is None:
             return None
-        data = stored[4:]
+        data = _envelope_of(stored)
         envelope = Envelope.decode(data)
         due = None
         if deadline is None:
@@ -296,7 +301,7 @@ class DelayedStore:
     def message(self, task_id: str) -> bytes | None:
         """The stored envelope of a task (scheduled or in flight), or None."""
         stored = self._call_redis(self.redis.hget, self.key(self.partition(task_id), "msg"), member_of(task_id))
-        return None if stored is None else stored[4:]
+        return None if stored is None else _envelope_of(stored)
 
     def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
         """The next ``limit`` scheduled tasks across all partitions, in due order.
@@ -328,7 +333,7 @@ class DelayedStore:
         items = []
         for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
             if stored is not None:
-                envelope = Envelope.decode(stored[4:])
+                envelope = Envelope.decode(_envelope_of(stored))
                 items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
                               "task": envelope.task_name, "queue": envelope.queue})
         return items
@@ -353,10 +358,7 @@ class DelayedStore:
 
     def now_ms(self) -> int:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
-        try:
-            seconds, micros = self.redis.time()
-        except UNREACHABLE as exc:
-            raise StoreUnavailable(self._unavailable(exc)) from exc
+        seconds, micros = self._call_redis(self.redis.time)
         return seconds * 1000 + micros // 1000
 
     # -- dispatch ------------------------------------------------------------
@@ -401,6 +403,11 @@ class DelayedStore:
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"
+
+
+def _envelope_of(stored: bytes) -> bytes:
+    """A stored message without its leading bucket start."""
+    return stored[_BUCKET.size:]
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:

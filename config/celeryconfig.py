@@ -8,9 +8,11 @@ with ``[`` or ``{`` is read as a Python literal (a list or dict setting).
 import ast
 import os
 
-broker_url = "redis://127.0.0.1:6379/1"
+# The servers of scripts/services, on the ports it was given (CD_*_PORT, as there).
+_redis = f"redis://127.0.0.1:{os.environ.get('CD_REDIS_PORT', '6379')}"
+broker_url = f"{_redis}/1"
 # celery-delayed's Redis result backend: the first terminal result of a task id is final
-result_backend = "celery_delayed.backend:RedisBackend+redis://127.0.0.1:6379/2"
+result_backend = f"celery_delayed.backend:RedisBackend+{_redis}/2"
 result_extended = True          # results record the worker that ran them
 task_acks_late = True           # a task's Kafka offset settles when it ends...
 task_reject_on_worker_lost = True  # ...and a killed pool child's task runs again
@@ -20,9 +22,9 @@ task_send_sent_event = True
 broker_connection_retry_on_startup = True
 
 # celery-delayed (see celery_delayed.settings for every setting and its default)
-delayed_redis_url = "redis://127.0.0.1:6379/0"
-delayed_kafka_servers = "127.0.0.1:9092"
-delayed_etcd_endpoints = "http://127.0.0.1:2379"
+delayed_redis_url = f"{_redis}/0"
+delayed_kafka_servers = f"127.0.0.1:{os.environ.get('CD_KAFKA_PORT', '9092')}"
+delayed_etcd_endpoints = f"http://127.0.0.1:{os.environ.get('CD_ETCD_PORT', '2379')}"
 delayed_partitions = 8
 
 

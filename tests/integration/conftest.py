@@ -21,15 +21,21 @@ from confluent_kafka.admin import AdminClient
 from celery_delayed.leadership import make_etcd
 from celery_delayed.settings import Settings
 
+from config import celeryconfig
+
 from .support import Processes, Servers
 
 pytestmark = pytest.mark.integration
 
 
+#: Where the servers of scripts/services answer (its CD_*_PORT environment, as the demo config reads it).
+SERVERS = {name: getattr(celeryconfig, f"delayed_{name}") for name in ("redis_url", "kafka_servers", "etcd_endpoints")}
+
+
 @pytest.fixture(scope="session")
 def services() -> Settings:
     """The local servers answer; fail with what to run when one does not."""
-    s = Settings.from_mapping({})
+    s = Settings.from_mapping(SERVERS)
     hint = "start them with: scripts/services up"
     try:
         redis.Redis.from_url(s.redis_url, socket_connect_timeout=2).ping()
@@ -76,7 +82,8 @@ def overrides(services, store_redis) -> dict:
     """Celery settings that isolate this test: own prefixes, group and broker queue."""
     tag = "t" + uuid.uuid4().hex[:10]
     return {"delayed_key_prefix": tag, "delayed_topic_prefix": f"{tag}.", "delayed_consumer_group": tag,
-            "delayed_partitions": 4, "delayed_lease_ttl": 2, "task_default_queue": tag, **store_redis}
+            "delayed_partitions": 4, "delayed_lease_ttl": 2, "task_default_queue": tag,
+            **{f"delayed_{name}": value for name, value in SERVERS.items()}, **store_redis}
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import subprocess
 import sys
 import time
 
-from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
 from .support import ROOT, envelopes, environment
+from .test_poller import settings_for
 
 
 def celery(overrides: dict, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
@@ -31,7 +31,7 @@ def test_secret_in_a_bad_redis_url_is_not_printed(overrides):
 
 
 def test_status_counts_scheduled_tasks(overrides):
-    settings = Settings.from_mapping({"key_prefix": overrides["delayed_key_prefix"], "partitions": 4})
+    settings = settings_for(overrides, partitions=4)
     DelayedStore(settings).schedule_many(envelopes(7, "q", int(time.time() * 1000) + 60_000))
     done = celery(overrides, "delayed", "status", "--json")
     assert done.returncode == 0, done.stderr

@@ -82,10 +82,11 @@ class Poller:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._topics: set[str] = set()
-        self._reports: list[tuple[int, str, int, KafkaError | None]] = []
-        self._in_flight: dict[str, tuple[int, int]] = {}  # task id -> (partition, due ms) until reported
-        self._suspects: list[tuple[int, str, int | None, str, bytes]] = []  # in a batch Kafka refused
-        self._alone: str | None = None  # the task being sent on its own
+        self._reports: list[tuple[int, str, int, int | None, KafkaError | None]] = []
+        # (task id, topic) -> [(claim stamp, partition, due ms)] in produce order, until reported
+        self._in_flight: dict[tuple[str, str], list[tuple[int, int, int | None]]] = {}
+        self._suspects: list[tuple[int, str, int, int | None, str, bytes]] = []  # in a batch Kafka refused
+        self._alone: tuple[str, int] | None = None  # the copy being sent on its own
         self._pending = 0
         self._next_due: dict[int, float] = {}  # partition -> next due ms (Redis clock); absent = unknown
         self._last_sweep = 0.0
@@ -159,24 +160,23 @@ class Poller:
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
             for task_id, due_ms, data in claim.items:
-                produced += self._produce(partition, task_id, due_ms, data)
+                produced += self._produce(partition, task_id, claim.stamp, due_ms, data)
             full = len(claim.items) >= budget
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
 
-    def _produce(self, partition: int, task_id: str, due_ms: int, data: bytes) -> int:
+    def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes) -> int:
         try:
             topic = self.settings.topic(decode_meta(data)["q"])
         except EnvelopeError as exc:
-            self._dead_letter(partition, task_id, data, f"undecodable stored message: {exc}")
+            self._dead_letter(partition, task_id, stamp, data, f"undecodable stored message: {exc}")
             return 0
         if topic not in self._topics:
             if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
-                self._settle(self.store.nack, partition, [task_id])  # Kafka unreachable: due again shortly
+                self._settle(self.store.nack, partition, [(task_id, stamp)])  # Kafka unreachable: due again soon
                 return 0
 
-        self._in_flight[task_id] = (partition, due_ms)
         while True:
             try:
                 self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
@@ -184,9 +184,9 @@ class Poller:
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)
             except KafkaException as exc:  # this message can never be produced (e.g. too large)
-                del self._in_flight[task_id]
-                self._dead_letter(partition, task_id, data, f"Kafka refused the message: {exc}")
+                self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {exc}")
                 return 0
+        self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
         self._pending += 1
         return 1
 
@@ -204,42 +204,47 @@ class Poller:
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         """Kafka's delivery report (one shared callback: no closure per message for the GC to scan).
 
-        A task claimed again while a report was pending (its visibility deadline
-        passed) has one entry for both copies: the second report finds none and
-        is settled against the task's partition with an unknown due time.
+        Reports of one key and topic (so one Kafka partition) come in produce
+        order: the first copy of the id still waiting for one is this report's,
+        so two copies of one id in flight at once (one claimed again after its
+        visibility deadline, or a newer copy claimed) settle each its own claim.
         """
-        task_id = msg.key().decode()
-        partition, due_ms = self._in_flight.pop(task_id, (self.store.partition(task_id), None))
+        task_id, topic = msg.key().decode(), msg.topic()
+        waiting = self._in_flight[task_id, topic]
+        stamp, partition, due_ms = waiting.pop(0)
+        if not waiting:
+            del self._in_flight[task_id, topic]
         if err is not None and err.code() in REFUSED:
             # The broker refuses whole batches: this message may only have shared one with the
             # culprit.  Sent alone and refused again, it is the culprit: park it.
             self._pending -= 1
-            if task_id == self._alone:
-                self._dead_letter(partition, task_id, msg.value(), f"Kafka refused the message: {err}")
+            if (task_id, stamp) == self._alone:
+                self._dead_letter(partition, task_id, stamp, msg.value(), f"Kafka refused the message: {err}")
             else:
-                self._suspects.append((partition, task_id, due_ms, msg.topic(), msg.value()))
+                self._suspects.append((partition, task_id, stamp, due_ms, msg.topic(), msg.value()))
             return
-        self._reports.append((partition, task_id, due_ms, err))
+        self._reports.append((partition, task_id, stamp, due_ms, err))
 
     def _send_suspects_alone(self) -> None:
         """Produce each message of a refused batch on its own, so only the culprit is parked."""
         suspects, self._suspects = self._suspects, []
-        for partition, task_id, due_ms, topic, data in suspects:
-            self._alone = task_id
-            self._in_flight[task_id] = (partition, due_ms)
-            self._pending += 1
+        for partition, task_id, stamp, due_ms, topic, data in suspects:
+            self._alone = (task_id, stamp)
             self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
+            self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
+            self._pending += 1
             self.producer.flush(10)
         self._alone = None
 
-    def _settle(self, action: Callable[[int, list[str]], int], partition: int, task_ids: list[str]) -> bool:
-        """Ack or nack in the store; on a Redis error the tasks stay in flight and return after the
-        visibility timeout (a duplicate at worst), so the loop goes on."""
+    def _settle(self, action: Callable[[int, list[tuple[str, int]]], int], partition: int,
+                claimed: list[tuple[str, int]]) -> bool:
+        """Ack or nack ``(task_id, stamp)`` copies in the store; on a Redis error they stay in flight
+        and return after the visibility timeout (a duplicate at worst), so the loop goes on."""
         try:
-            action(partition, task_ids)
+            action(partition, claimed)
             return True
         except STORE_ERRORS as exc:
-            logger.warning("could not settle %d tasks of partition %d: %s", len(task_ids), partition, exc)
+            logger.warning("could not settle %d tasks of partition %d: %s", len(claimed), partition, exc)
             return False
 
     def _drain_reports(self, timeout: float) -> None:
@@ -255,14 +260,14 @@ class Poller:
         reports, self._reports = self._reports, []
         self._pending -= len(reports)
         now_ms = time.time() * 1000 + self._clock_offset_ms
-        delivered: dict[int, list[str]] = defaultdict(list)
-        failed: dict[int, list[str]] = defaultdict(list)
-        for partition, task_id, due_ms, err in reports:
+        delivered: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for partition, task_id, stamp, due_ms, err in reports:
             if err:
-                failed[partition].append(task_id)
+                failed[partition].append((task_id, stamp))
                 logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
             else:
-                delivered[partition].append(task_id)
+                delivered[partition].append((task_id, stamp))
                 if due_ms is not None:
                     metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
         for partition, ids in delivered.items():
@@ -275,14 +280,14 @@ class Poller:
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))
 
-    def _dead_letter(self, partition: int, task_id: str, data: bytes, reason: str) -> None:
+    def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
         try:
             self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
         except STORE_ERRORS as exc:  # stays in flight: it comes back after the visibility timeout
             logger.warning("could not dead-letter %s: %s", task_id, exc)
             return
-        self._settle(self.store.ack, partition, [task_id])
+        self._settle(self.store.ack, partition, [(task_id, stamp)])
         self.stats["dead_lettered"] += 1
         metrics.DEAD_LETTERED.labels("poller").inc()
 

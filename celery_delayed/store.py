@@ -7,8 +7,9 @@ Redis Cluster slot):
   due in the :data:`BUCKET_SECONDS` long bucket starting at ``<start>`` (s)
 - ``<prefix>:{p}:buckets``  ZSET bucket start -> earliest due time in that bucket
 - ``<prefix>:{p}:msg``      HASH id -> 4-byte bucket start + envelope (:mod:`.envelope`)
-- ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms)
+- ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms), also the claim's stamp
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
+- ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
 
 Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
 list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
@@ -30,13 +31,14 @@ import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Callable, Iterable, Iterator, Sized
 
 import redis
 
-from .envelope import Envelope, deflate
+from .envelope import Envelope
 from .redis_client import UNREACHABLE, Script, connect, execute
 from .settings import Settings, redact_url
 
@@ -84,12 +86,21 @@ class TaskInFlight(RuntimeError):
     """A poller is dispatching the task: the store can no longer change it."""
 
 
+class Stored(str, Enum):
+    """What :meth:`DelayedStore.schedule` did with a task."""
+
+    ADDED = "added"  # the id was new to the store
+    REPLACED = "replaced"  # a copy in flight (or, replacing, a scheduled one) gave way to it
+    KEPT = "kept"  # the copy already scheduled stays; this one was not stored
+
+
 @dataclass(frozen=True)
 class Claim:
     """Result of one claim call on one partition."""
 
     now_ms: int
     next_due_ms: int | None
+    stamp: int  # names this claim's copies to ack and nack (their visibility deadline, ms)
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
 
 
@@ -181,14 +192,23 @@ class DelayedStore:
         return [self.key(partition, "buckets"), self.key(partition, "msg"), self.key(partition, "inflight")]
 
     # -- scheduling ----------------------------------------------------------
-    def schedule(self, envelope: Envelope, due_ms: int) -> bool:
-        """Store one task due at ``due_ms``; False if its id was already scheduled."""
-        data = deflate(envelope.encode(), self.settings.compress_min_bytes)
-        return self.schedule_many([(envelope.task_id, due_ms, data)]) == 1
+    def schedule(self, task_id: str, due_ms: int, data: bytes, replace: bool = False) -> Stored:
+        """Store one task (``data`` as :meth:`DelayedAMQP.stored_form` makes it); says what became of it.
+
+        A copy already in flight is always replaced; one still scheduled only
+        when ``replace`` (a newer attempt of the task: a retry).
+        """
+        added, replaced, _ = self._schedule_replies(self.execute(next(self._schedule_pipelines(
+            [(task_id, due_ms, data)], replace))[0]))
+        return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
     def schedule_many(self, items: Iterable[tuple[str, int, bytes]],
-                      progress: Callable[[int], None] | None = None) -> int:
-        """Store ``(task_id, due_ms, envelope_bytes)`` items in bulk; returns how many were new.
+                      progress: Callable[[int], None] | None = None, replace: bool = False) -> int:
+        """Store ``(task_id, due_ms, envelope_bytes)`` items in bulk; returns how many were stored.
+
+        An id the store already holds keeps its stored copy while that one is
+        scheduled (unless ``replace``); a copy in flight (being dispatched) is
+        always replaced, so the newer copy survives that dispatch's ack.
 
         ``items`` may be any iterable, millions long: it is consumed in batches of
         :data:`SCHEDULE_BATCH`, each grouped by partition and sent as one pipeline
@@ -198,11 +218,11 @@ class DelayedStore:
         packs commands while Redis runs another's scripts.  When an id occurs
         in two batches, either copy may win.  When a batch fails, the (at most
         two) batches already sent may still be stored without a progress call;
-        scheduling again is safe, as stored ids are kept.
+        scheduling again is safe, as scheduled ids are kept.
         A bad item raises ``ValueError`` naming it before its batch is written
         (earlier batches stay stored); each task is stored whole or not at all.
         """
-        pipelines = self._schedule_pipelines(items)
+        pipelines = self._schedule_pipelines(items, replace)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
             return sum(self._stored(self.execute(pipe), size, progress) for pipe, size in pipelines)
         added = 0
@@ -216,7 +236,7 @@ class DelayedStore:
                 added += self._stored(future.result(), size, progress)
         return added
 
-    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]]
+    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]], replace: bool
                             ) -> Iterator[tuple[redis.client.Pipeline, int]]:
         """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size."""
         done = 0
@@ -232,18 +252,25 @@ class DelayedStore:
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 3):
-                    self._scripts["schedule"](keys=self._keys(p)[:2],
+                    self._scripts["schedule"](keys=self._keys(p),
                                               args=[self.wake_channel, self.key(p, "t:"),
+                                                    "replace" if replace else "keep",
                                                     *flat[start:start + SCHEDULE_CHUNK * 3]],
                                               client=pipe)
             done += len(batch)
             yield pipe, len(batch)
 
-    @staticmethod
-    def _stored(replies: list[int], size: int, progress: Callable[[int], None] | None) -> int:
+    @classmethod
+    def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:
         if progress:
             progress(size)
-        return sum(replies)
+        added, replaced, _ = cls._schedule_replies(replies)
+        return added + replaced
+
+    @staticmethod
+    def _schedule_replies(replies: list[list[int]]) -> tuple[int, int, int]:
+        """``(added, replaced, kept)`` summed over a pipeline of schedule scripts."""
+        return tuple(sum(column) for column in zip(*replies)) if replies else (0, 0, 0)
 
     def cancel(self, task_id: str) -> int:
         """Remove a scheduled task: 1 cancelled, 0 unknown, -1 already being dispatched."""
@@ -364,7 +391,7 @@ class DelayedStore:
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
         """Move up to ``limit`` due tasks of ``partition`` to inflight and return them."""
-        keys = [*self._keys(partition), self.key(partition, "fence")]
+        keys = [*self._keys(partition), self.key(partition, "fence"), self.key(partition, "stamp")]
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
                                                self.key(partition, "t:"), BUCKET_SECONDS])
@@ -372,19 +399,23 @@ class DelayedStore:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
-        now_ms, next_due = int(reply[0]), int(reply[1])
-        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(2, len(reply), 3)]
-        return Claim(now_ms, None if next_due < 0 else next_due, items)
+        now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
+        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(3, len(reply), 3)]
+        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items)
 
-    def ack(self, partition: int, task_ids: list[str]) -> int:
-        """Forget tasks whose delivery to Kafka was confirmed."""
-        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg")],
-                          [member_of(task_id) for task_id in task_ids])
+    def ack(self, partition: int, claimed: list[tuple[str, int]]) -> int:
+        """Forget tasks whose delivery to Kafka was confirmed: ``(task_id, claim stamp)`` pairs.
 
-    def nack(self, partition: int, task_ids: list[str], delay_ms: int = 1000) -> int:
-        """Return claimed tasks to due (their delivery failed), due again after ``delay_ms``."""
+        Only a copy still in flight under that claim is forgotten; a newer copy
+        scheduled meanwhile, or a later claim, stays.
+        """
+        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg")], _pairs(claimed))
+
+    def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000) -> int:
+        """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, their delivery having
+        failed, due again after ``delay_ms``; as for :meth:`ack`, only copies of that claim."""
         return self._call("nack", self._keys(partition),
-                          [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *map(member_of, task_ids)])
+                          [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(claimed)])
 
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
@@ -403,6 +434,11 @@ class DelayedStore:
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"
+
+
+def _pairs(claimed: list[tuple[str, int]]) -> list:
+    """``(task_id, stamp)`` pairs as the flat script arguments of ack and nack."""
+    return [value for task_id, stamp in claimed for value in (member_of(task_id), stamp)]
 
 
 def _envelope_of(stored: bytes) -> bytes:

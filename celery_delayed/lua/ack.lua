@@ -1,13 +1,19 @@
 -- Forget tasks that Kafka confirmed: drop them from inflight with their messages.
--- Only ids still in flight are removed, so an ack arriving after the visibility
--- deadline sent a task back to due cannot delete the pending copy.
+-- Only a copy still in flight under the claim that produced it is removed: a
+-- newer copy scheduled meanwhile (a retry, a put-back: schedule.lua drops the
+-- claim) or a later claim of the id (after the visibility deadline sent it back
+-- to due) has another stamp, and stays.
 --
--- KEYS[1] inflight ZSET   KEYS[2] msg HASH   ARGV task ids
+-- KEYS[1] inflight ZSET   KEYS[2] msg HASH
+-- ARGV pairs: task id, claim stamp (the deadline claim.lua gave it)
 -- Returns the number of tasks forgotten.
+local inflight, msgs = KEYS[1], KEYS[2]
 local n = 0
-for _, id in ipairs(ARGV) do
-  if redis.call('ZREM', KEYS[1], id) == 1 then
-    redis.call('HDEL', KEYS[2], id)
+for i = 1, #ARGV, 2 do
+  local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
+  if tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
+    redis.call('ZREM', inflight, id)
+    redis.call('HDEL', msgs, id)
     n = n + 1
   end
 end

@@ -7,10 +7,11 @@
 -- tasks gets its new earliest due time in the index, an emptied one leaves it.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] fence STRING
+-- KEYS[5] last claim stamp STRING
 -- ARGV[1] fencing token (etcd create revision of the leader key)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s
--- Returns {now_ms, next_due_ms or -1, id, due_ms, envelope, id, due_ms, envelope, ...};
+-- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 local token = tonumber(ARGV[1])
 local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
@@ -38,8 +39,9 @@ for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[3], id)
 end
 
-local out = {now, -1}
-local deadline = now + tonumber(ARGV[3])
+local deadline = math.max(now + tonumber(ARGV[3]), tonumber(redis.call('GET', KEYS[5]) or '0') + 1)
+redis.call('SET', KEYS[5], deadline)
+local out = {now, -1, deadline}
 local left = limit
 local buckets = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
 for _, b in ipairs(buckets) do

@@ -1,25 +1,29 @@
 -- Return claimed tasks whose delivery failed to their partition, due again after
 -- a short delay (by Redis' clock), so a Kafka outage delays tasks but loses none.
+-- Only a copy still in flight under the claim that produced it moves (see
+-- ack.lua): a newer copy scheduled meanwhile already stands on its own.
 -- Each goes to the bucket of its new due time; its message records that bucket.
 -- The bucket is written before the task leaves inflight: on a Redis Cluster slot
 -- migration a bucket key (built here, not declared) can fail mid-script, and the
 -- task must then still be in flight, to come back after its visibility timeout.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
--- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms, then task ids
+-- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms,
+-- then pairs: task id, claim stamp
 -- Returns the number of tasks returned.
+local index, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
 local t = redis.call('TIME')
 local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
 local bucket = math.floor(due / 1000 / tonumber(ARGV[2])) * tonumber(ARGV[2])
 local n = 0
-for i = 4, #ARGV do
-  local id = ARGV[i]
-  local message = redis.call('HGET', KEYS[2], id)
-  if message and redis.call('ZSCORE', KEYS[3], id) then
+for i = 4, #ARGV, 2 do
+  local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
+  local message = redis.call('HGET', msgs, id)
+  if message and tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
     redis.call('ZADD', ARGV[1] .. bucket, due, id)
-    redis.call('ZADD', KEYS[1], 'LT', due, bucket)
-    redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
-    redis.call('ZREM', KEYS[3], id)
+    redis.call('ZADD', index, 'LT', due, bucket)
+    redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. string.sub(message, 5))
+    redis.call('ZREM', inflight, id)
     n = n + 1
   end
 end

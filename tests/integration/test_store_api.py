@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.store import MAX_PAGE, DelayedStore, TaskInFlight, TaskNotScheduled
+from celery_delayed.store import MAX_PAGE, DelayedStore, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for
 from .test_poller import settings_for
@@ -91,16 +91,19 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     assert [item[1] for item in claimed.items] == [dues[i] for i in overdue]
     assert claimed.next_due_ms == dues[30]
 
-    assert store.nack(0, ids[1:4], delay_ms=0) == 3  # back, due now, in the bucket of now
+    assert store.nack(0, [(i, claimed.stamp) for i in ids[1:4]], delay_ms=0) == 3  # due now, in the bucket of now
     assert store.get(ids[1])["state"] == "scheduled" and store.get(ids[1])["due_ms"] >= claimed.now_ms
     assert store.cancel(ids[1]) == 1  # found through the bucket its nack recorded
-    assert sorted(item[0] for item in store.claim(0, token=1, limit=100).items) == sorted(ids[2:4])
-    assert store.ack(0, ids[2:4]) == 2
+    second = store.claim(0, token=1, limit=100)
+    assert sorted(item[0] for item in second.items) == sorted(ids[2:4]) and second.stamp > claimed.stamp
+    assert store.ack(0, [(i, claimed.stamp) for i in ids[2:4]]) == 0  # the first claim's stamp: not this copy
+    assert store.ack(0, [(i, second.stamp) for i in ids[2:4]]) == 2
 
     time.sleep(1.2)  # the rest of the first claim outlives its visibility timeout
     again = store.claim(0, token=1, limit=100)
     assert sorted(item[0] for item in again.items) == sorted(ids[i] for i in overdue if i >= 4)
-    assert store.ack(0, [item[0] for item in again.items]) == len(again.items)
+    assert store.ack(0, [(item[0], claimed.stamp) for item in again.items]) == 0  # a late ack of the old claim
+    assert store.ack(0, [(item[0], again.stamp) for item in again.items]) == len(again.items)
 
     left = [ids[5]] + ids[30:]
     page = store.upcoming(100)
@@ -110,6 +113,30 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
         assert store.cancel(task_id) == 1
     assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.key(0, "msg")) == 0
     assert not list(store.redis.scan_iter(store.key(0, "t:*")))  # emptied buckets are gone, not left as keys
+
+
+def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
+    """A retry (or put-back) written while the poller still waits for the first copy's delivery
+    report: the old claim's ack or nack must not delete it; a plain duplicate says it was kept."""
+    (_, _, first), (_, _, second), (_, _, third) = envelopes(3, "q", 0)
+    due = now_ms() - 10
+    for settle in ("ack", "nack"):
+        task_id = f"race-{settle}"
+        p = store.partition(task_id)
+        assert store.schedule(task_id, due, first) is Stored.ADDED
+        claimed = store.claim(p, token=1, limit=10)
+        assert [item[0] for item in claimed.items] == [task_id]
+        assert store.schedule(task_id, now_ms() + 60_000, second) is Stored.REPLACED  # the retry, 60 s on
+        assert getattr(store, settle)(p, [(task_id, claimed.stamp)]) == 0
+        info = store.get(task_id)
+        assert info is not None, f"the old copy's {settle} deleted the newer copy"
+        assert info["state"] == "scheduled" and info["due_ms"] >= due + 60_000 and store.message(task_id) == second
+        # a plain duplicate of a scheduled task keeps the stored copy, and says so; a retry replaces it
+        assert store.schedule(task_id, due, third) is Stored.KEPT and store.message(task_id) == second
+        assert store.schedule(task_id, due + 5, third, replace=True) is Stored.REPLACED
+        assert store.get(task_id)["due_ms"] == due + 5 and store.message(task_id) == third
+        assert [r["scheduled"] for r in store.counts() if r["partition"] == p] == [1]
+        assert store.cancel(task_id) == 1
 
 
 def test_reschedule_to_the_front_wakes_the_pollers(store):

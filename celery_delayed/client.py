@@ -15,21 +15,29 @@ as REVOKED (reason ``expired``) at once instead.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+from celery import current_task
 from celery.app.amqp import AMQP
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
+from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, EnvelopeError, deflate, serialize
+from .once import FROM_KAFKA
 from .revoke import record_revoked
 from .settings import _TOPIC_CHARS, Settings
-from .store import DelayedStore
+from .store import STORE_ERRORS, DelayedStore, Stored
+
+logger = logging.getLogger(__name__)
 
 #: Longest Kafka topic name.
 MAX_TOPIC_LENGTH = 249
+#: Longest wait (s) between store writes of a task's own retry while the store is down.
+OWN_RETRY_MAX_INTERVAL = 2.0
 
 
 class DelayedPublishError(ValueError):
@@ -127,8 +135,9 @@ class _StoreProducer:
 
     Its first successful ``publish`` (the task itself) goes to the store; later
     calls (the ``task-sent`` event) and every other attribute go to the real
-    producer.  A failed store write may be retried by Celery's publish retry:
-    it goes to the store again, never to the broker.
+    producer.  A store write that fails is retried as kombu retries a broker
+    publish (``task_publish_retry``, ``task_publish_retry_policy``, the call's
+    ``retry_policy``), and always to the store, never to the broker.
     """
 
     def __init__(self, producer: Any, amqp: DelayedAMQP, queue: str, due_ms: int) -> None:
@@ -163,5 +172,38 @@ class _StoreProducer:
         expires_ms = self._amqp.header_ms(headers, "expires")
         self.expired = expires_ms is not None and expires_ms <= self._due_ms
         if not self.expired:
-            self._amqp.delayed_store.schedule_many([(envelope.task_id, self._due_ms, stored)])
+            self._write(envelope, stored, properties.get("retry"), properties.get("retry_policy") or {})
         self._stored = True
+
+    def _write(self, envelope: Envelope, stored: bytes, retry: bool | None, policy: dict) -> None:
+        """Store the task, retrying an unreachable store by the publish retry policy.
+
+        The retry of a task that runs from Kafka is retried until it is stored:
+        given up, Celery would fail the task for good (``Task.retry`` turns the
+        error into ``Reject(requeue=False)``), while the task was never done.
+        A retry (``retries`` > 0) replaces a copy of the task still scheduled.
+        """
+        own_retry = _is_own_retry(envelope)
+        store = self._amqp.delayed_store
+
+        def on_error(exc: Exception, intervals: Any, retries: int) -> float:
+            wait = next(intervals)
+            logger.warning("task %s [%s]: store write failed (%s); retry %d in %.1f s", envelope.task_name,
+                           envelope.task_id, exc, retries + 1, wait)
+            return wait
+
+        outcome = retry_over_time(
+            store.schedule, STORE_ERRORS if retry or own_retry else (), args=(envelope.task_id, self._due_ms, stored),
+            kwargs={"replace": bool(envelope.headers.get("retries"))}, errback=on_error,
+            max_retries=None if own_retry else policy.get("max_retries", 3),
+            interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
+            interval_max=max(policy.get("interval_max", 0.2), OWN_RETRY_MAX_INTERVAL if own_retry else 0))
+        if outcome is Stored.KEPT:
+            logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
+                           envelope.task_name, envelope.task_id)
+
+
+def _is_own_retry(envelope: Envelope) -> bool:
+    """Whether this message is the retry of the task running here, delivered from Kafka."""
+    request = current_task.request if current_task else None
+    return bool(request is not None and getattr(request, FROM_KAFKA, None) and request.id == envelope.task_id)

@@ -21,7 +21,9 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
+from celery.exceptions import InvalidTaskError
 from confluent_kafka import Consumer, TopicPartition
+from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
@@ -43,6 +45,11 @@ COMMIT_INTERVAL = 0.5
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0
+#: Records of one Kafka partition read and not yet committable (settled ones behind a task
+#: still running) at which that partition is paused; each would run again if the worker died.
+MAX_UNCOMMITTED = 10_000
+#: What Celery's strategy raises for a message that can never run (as its own consumer sorts them).
+MESSAGE_ERRORS = (InvalidTaskError, ContentDisallowed, DecodeError, TypeError, ValueError, KeyError)
 #: Longest a stopped feed keeps committing for tasks still in hand (s).
 DRAIN_TIMEOUT = 60.0
 
@@ -92,6 +99,7 @@ class KafkaFeed:
         self.claims = claims or RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
                                           lease_s=self.settings.run_lease)
         self._in_hand: set[str] = set()  # task ids given to Celery and not settled yet
+        self._draining: set[str] = set()  # once stopped: the running ones of them, waited for
         self.queues = sorted(amqp.queues.consume_from)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.offsets = OffsetTracker()
@@ -102,6 +110,7 @@ class KafkaFeed:
         self._reading = threading.Event()
         self._drain_until = 0.0
         self._room = threading.Event()  # set when a settle frees a prefetch slot
+        self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
 
@@ -131,22 +140,23 @@ class KafkaFeed:
         logger.info("consuming Kafka topics %s", [self.settings.topic(q) for q in self.queues])
 
     def stop(self) -> None:
-        """Stop reading, but keep committing while tasks in hand finish.
+        """Stop reading, but keep committing while the tasks in hand that still run finish.
 
         On a warm shutdown Celery stops this step before its pool, so the
-        tasks in hand settle afterwards: the thread commits their offsets as
+        running tasks settle afterwards: the thread commits their offsets as
         they do, and closes once none is left, after ``DRAIN_TIMEOUT``, or on
         ``worker_shutdown`` (sent after the pool stopped), whichever is first.
+        Celery drops the requests it had reserved but not started when its
+        consumer stops (a broker reconnect): those are never settled, so they
+        are not waited for; their records are read again by the next consumer.
         """
+        running = {request.id for request in worker_state.active_requests}
+        self._draining = self._in_hand & running
+        for task_id in self._in_hand - running:  # their claims would block the copies read again
+            self._release(task_id)
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
-        # Celery drops the requests it had reserved but not started when its consumer
-        # stops: their run claims would be kept alive for ever, blocking the copies
-        # read again after the restart.  Give up every claim whose task is not running.
-        running = {request.id for request in worker_state.active_requests}
-        for task_id in self._in_hand - running:
-            self._release(task_id)
 
     def close(self) -> None:
         """Commit what is settled and leave the consumer group now."""
@@ -162,27 +172,19 @@ class KafkaFeed:
         try:
             while self._running.is_set():
                 try:
-                    room = self._max_unsettled() - self.offsets.outstanding()
                     if not self._reading.is_set():
-                        if not self.offsets.outstanding() or time.monotonic() > self._drain_until:
+                        if not self._draining or time.monotonic() > self._drain_until:
                             break
                         consumer.pause(consumer.assignment())
                         consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
-                    elif room <= 0:
-                        # Hold off reading while the worker holds its prefetch limit.  Pausing
-                        # the partitions would cost ~1 s of fetch latency on resume, so only
-                        # pause when full for long, to keep group membership alive meanwhile.
-                        full_since = full_since or time.monotonic()
-                        if time.monotonic() - full_since > MAX_POLL_GAP:
-                            consumer.pause(consumer.assignment())
-                            consumer.consume(num_messages=1, timeout=0)
-                            consumer.resume(consumer.assignment())
-                            full_since = time.monotonic()
-                        self._room.wait(0.05)
-                        self._room.clear()
                     else:
-                        full_since = None
-                        self._read(consumer, room)
+                        self._pause_long_backlogs(consumer)
+                        room = self._max_unsettled() - self.offsets.unsettled()
+                        if room > 0:
+                            full_since = None
+                            self._read(consumer, room)
+                        else:
+                            full_since = self._wait_for_room(consumer, full_since or time.monotonic())
                     if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                         self._commit(self.offsets.committable())
                         last_commit = time.monotonic()
@@ -193,6 +195,41 @@ class KafkaFeed:
             self._commit(self.offsets.committable())
             consumer.close()
             _feeds.discard(self)
+
+    def _wait_for_room(self, consumer: Consumer, full_since: float) -> float:
+        """Hold off reading while the worker holds its prefetch limit; returns the new ``full_since``.
+
+        Pausing every partition would cost ~1 s of fetch latency on resume, so
+        they are paused only when full for long, to poll (keeping this consumer
+        in its group) without taking records.
+        """
+        if time.monotonic() - full_since > MAX_POLL_GAP:
+            assigned = consumer.assignment()
+            consumer.pause(assigned)
+            consumer.consume(num_messages=1, timeout=0)
+            consumer.resume([tp for tp in assigned if (tp.topic, tp.partition) not in self._paused])
+            full_since = time.monotonic()
+        self._room.wait(0.05)
+        self._room.clear()
+        return full_since
+
+    def _pause_long_backlogs(self, consumer: Consumer) -> None:
+        """Pause a partition whose uncommitted records (settled ones behind a task still running)
+        reach :data:`MAX_UNCOMMITTED`, each a duplicate if this worker died; resume it at half.
+
+        Only that partition waits: records of the others, and the prefetch limit,
+        are not held up by one long task.
+        """
+        for (topic, number), backlog in self.offsets.backlogs().items():
+            tp = TopicPartition(topic, number)
+            if backlog >= MAX_UNCOMMITTED and (topic, number) not in self._paused:
+                consumer.pause([tp])
+                self._paused.add((topic, number))
+                logger.info("Kafka partition %s[%d]: %d records uncommitted behind a running task; paused",
+                            topic, number, backlog)
+            elif backlog <= MAX_UNCOMMITTED // 2 and (topic, number) in self._paused:
+                consumer.resume([tp])
+                self._paused.discard((topic, number))
 
     def _read(self, consumer: Consumer, room: int) -> None:
         # consume(n, timeout) waits for n records or the timeout, which would hold a
@@ -229,7 +266,9 @@ class KafkaFeed:
         self.offsets.assign([(tp.topic, tp.partition) for tp in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._commit(self.offsets.revoke([(tp.topic, tp.partition) for tp in partitions]))
+        keys = [(tp.topic, tp.partition) for tp in partitions]
+        self._paused.difference_update(keys)
+        self._commit(self.offsets.revoke(keys))
 
     # -- event loop ------------------------------------------------------------
     def _hand_over(self, accepted: list) -> None:
@@ -241,7 +280,13 @@ class KafkaFeed:
         self.c.hub.call_soon(self._drain)
 
     def _drain(self) -> None:
-        """On the loop thread: give every waiting record to Celery, in order."""
+        """On the loop thread: give every waiting record to Celery, in order.
+
+        A record whose hand-over fails for a reason outside the message (Redis,
+        the result backend or the broker unreachable) is tried again a second
+        later, before any record behind it; only a message that can never run
+        goes to the dead-letter queue (in :meth:`_dispatch`).
+        """
         while True:
             with self._ready_lock:
                 if not self._ready or not self._reading.is_set():  # stopped: left for redelivery
@@ -250,35 +295,37 @@ class KafkaFeed:
                     return
                 record, partition = self._ready.popleft()
             try:
-                try:
-                    self._dispatch(record, partition)
-                except STORE_ERRORS:
-                    raise
-                except Exception as exc:  # never let one message break the loop
-                    self._dead_letter(record, partition, f"dispatch failed: {exc!r}", traceback.format_exc())
-            except STORE_ERRORS as exc:  # Redis or the result backend blinked: the same record again soon
-                logger.warning("task delivery deferred 1 s: %s", exc)
+                self._dispatch(record, partition)
+            except Exception as exc:  # never let one message break the loop, nor a blink lose it
+                logger.warning("task delivery deferred 1 s: %r", exc)
                 with self._ready_lock:
                     self._ready.appendleft((record, partition))
                 self.c.hub.call_later(1.0, self._drain)
                 return
 
     def _dispatch(self, record: Any, partition: PartitionOffsets) -> None:
+        """Hand one record to Celery's strategy for its task, unless it must not run (again).
+
+        Raises only for errors outside the message (the record is tried again);
+        a message that cannot be decoded or run is dead-lettered here.
+        """
         offset = record.offset()
-        envelope = Envelope.decode(record.value())
-        task_id = envelope.task_id
-        headers = dict(envelope.headers)
-        headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
-        headers[FROM_KAFKA] = 1  # the process running it remembers when it finished
         try:
-            strategy = self.c.strategies[headers["task"]]
-        except KeyError:
+            envelope = Envelope.decode(record.value())
+        except Exception as exc:  # any decoder failure (RecursionError too) is the message's
+            self._dead_letter(record, partition, f"undecodable message: {exc!r}", traceback.format_exc())
+            return
+        headers = dict(envelope.headers)
+        name = headers.get("task")
+        strategy = self.c.strategies.get(name) if isinstance(name, str) else None
+        if strategy is None:
             self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
             return
+        task_id = envelope.task_id
         if finished(self.c.app.backend, task_id):
             self._skip_finished(task_id, partition, offset)
             return
-        wait_ms = self.claims.acquire(task_id)
+        wait_ms = self.claims.acquire(task_id, _attempt(headers))
         if wait_ms == REVOKED:
             logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
             record_revoked(self.c.app, task_id, envelope, reason="revoked")
@@ -294,10 +341,25 @@ class KafkaFeed:
             self._settle(partition, offset)
             return
         self._in_hand.add(task_id)
+        try:
+            self._run_claimed(record, partition, envelope, headers, strategy)
+        except _Unrunnable as exc:
+            self._release(task_id)
+            self._dead_letter(record, partition, str(exc), exc.traceback)
+        except BaseException:  # whatever failed, the claim must not outlive this attempt
+            self._release(task_id)
+            raise
+
+    def _run_claimed(self, record: Any, partition: PartitionOffsets, envelope: Envelope, headers: dict,
+                     strategy: Any) -> None:
+        """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
+        task_id, offset = envelope.task_id, record.offset()
         if finished(self.c.app.backend, task_id):  # finished between the check and the claim
             self._release(task_id)
             self._skip_finished(task_id, partition, offset)
             return
+        headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
+        headers[FROM_KAFKA] = 1  # the process running it remembers when it finished
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
                           properties=envelope.properties, accept=self.accept, channel=None,
@@ -311,25 +373,37 @@ class KafkaFeed:
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
             self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
-                try:
-                    self._put_back(task_id, record.value())
-                except STORE_ERRORS as exc:  # unsettled, the record is read again after a restart
-                    logger.error("task %s could not be requeued (%s); left uncommitted", task_id, exc)
-                    return
-            self._settle(partition, offset)
+                self._requeue(task_id, record.value(), partition, offset)
+            else:
+                self._settle(partition, offset)
 
         try:
             strategy(message, None, on_ack, on_reject, self.c.on_task_message)
-        except Exception:
-            self._release(task_id)
-            raise
+        except MESSAGE_ERRORS as exc:
+            raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
+
+    def _requeue(self, task_id: str, data: bytes, partition: PartitionOffsets, offset: int) -> None:
+        """Put a rejected task back in the store, then settle it; while the store is down, try
+        again every second (unsettled meanwhile: a crash reads it again from Kafka)."""
+        try:
+            self._put_back(task_id, data)
+        except STORE_ERRORS as exc:
+            logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)
+            self.c.hub.call_later(1.0, self._requeue, task_id, data, partition, offset)
+            return
+        self._settle(partition, offset)
 
     def _put_back(self, task_id: str, data: bytes, delay_ms: int = 0) -> None:
-        """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers')."""
-        self.store.schedule_many([(task_id, self.store.now_ms() + delay_ms, data)])
+        """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers').
+
+        A copy the store still holds scheduled is kept (it runs anyway); one in
+        flight gives way to this one (see :meth:`.DelayedStore.schedule`).
+        """
+        self.store.schedule(task_id, self.store.now_ms() + delay_ms, data)
 
     def _release(self, task_id: str) -> None:
         self._in_hand.discard(task_id)
+        self._draining.discard(task_id)
         self.claims.release(task_id)
 
     def _skip_finished(self, task_id: str, partition: PartitionOffsets, offset: int) -> None:
@@ -348,3 +422,17 @@ class KafkaFeed:
     def _settle(self, partition: PartitionOffsets, offset: int) -> None:
         self.offsets.settle(partition, offset)
         self._room.set()
+
+
+class _Unrunnable(Exception):
+    """Celery's strategy refused the message itself: it can never run, so it is dead-lettered."""
+
+    def __init__(self, reason: str, traceback: str) -> None:
+        super().__init__(reason)
+        self.traceback = traceback
+
+
+def _attempt(headers: dict) -> int:
+    """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
+    retries = headers.get("retries")
+    return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0

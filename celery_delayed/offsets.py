@@ -40,7 +40,13 @@ class PartitionOffsets:
         return self._next
 
     def __len__(self) -> int:
+        """Records read and not yet committable: unsettled ones, and settled ones behind them."""
         return len(self._outstanding)
+
+    @property
+    def unsettled(self) -> int:
+        """Records read and not settled yet (what a worker holds)."""
+        return len(self._outstanding) - len(self._settled)
 
 
 class OffsetTracker:
@@ -81,6 +87,12 @@ class OffsetTracker:
         with self._lock:
             return {key: p.committable for key, p in self._partitions.items() if p.committable is not None}
 
-    def outstanding(self) -> int:
+    def unsettled(self) -> int:
+        """Records read and not settled yet, over every partition."""
         with self._lock:
-            return sum(len(p) for p in self._partitions.values())
+            return sum(p.unsettled for p in self._partitions.values())
+
+    def backlogs(self) -> dict[tuple[str, int], int]:
+        """Per partition, the records read and not committable yet (settled ones behind an unsettled head too)."""
+        with self._lock:
+            return {key: len(p) for key, p in self._partitions.items()}

@@ -162,7 +162,7 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     assert ok.get(timeout=60) == 42
     letters = DeadLetters(store)
     garbage = wait_for(lambda: letters.get("garbage-1"), 20, "the garbage in the dead-letter queue")
-    assert garbage.source == "worker" and "dispatch failed" in garbage.reason
+    assert garbage.source == "worker" and "undecodable message" in garbage.reason
     nope = wait_for(lambda: letters.get(unknown.id), 20, "the unknown task in the dead-letter queue")
     assert "unknown task 'tasks.demo.nope'" in nope.reason
 

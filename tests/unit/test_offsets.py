@@ -44,17 +44,32 @@ def test_settle_after_revoke_is_ignored():
 def test_records_of_unassigned_partitions_are_not_tracked():
     t = OffsetTracker()
     assert t.add(("t", 0), 1) is None  # read just before its partition was revoked
-    assert t.committable() == {} and t.outstanding() == 0
+    assert t.committable() == {} and t.unsettled() == 0
 
 
-def test_outstanding_counts_every_partition():
+def test_unsettled_counts_every_partition():
     t = OffsetTracker()
     t.assign([("t", 0), ("t", 1)])
     a, b = t.add(("t", 0), 1), t.add(("t", 1), 1)
     t.add(("t", 1), 2)
-    assert t.outstanding() == 3
+    assert t.unsettled() == 3
     t.settle(b, 1)
-    assert t.outstanding() == 2
+    assert t.unsettled() == 2
     assert t.committable() == {("t", 0): 1, ("t", 1): 2}
     t.settle(a, 1)
     assert t.committable() == {("t", 0): 2, ("t", 1): 2}
+
+
+def test_records_settled_behind_a_slow_head_leave_the_unsettled_count_but_not_the_backlog():
+    """One long task at the head of a partition: the records settled after it no longer count
+    against the worker's prefetch limit, yet stay uncommitted (the backlog) until it ends."""
+    t = OffsetTracker()
+    t.assign([("t", 0)])
+    p = t.add(("t", 0), 10)
+    for offset in range(11, 20):
+        t.add(("t", 0), offset)
+        t.settle(p, offset)
+    assert t.unsettled() == 1 and t.backlogs() == {("t", 0): 10}
+    assert t.committable() == {("t", 0): 10}
+    t.settle(p, 10)
+    assert t.unsettled() == 0 and t.backlogs() == {("t", 0): 0} and t.committable() == {("t", 0): 20}

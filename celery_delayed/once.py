@@ -6,7 +6,8 @@ a worker hands a task to Celery it checks the result backend for a terminal
 state, then takes a *run claim* (``<prefix>:run:{<task_id>}``, SET NX with a
 lease), unless the id was revoked (:func:`.revoke.remember_revoked`) or its run
 from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`: this
-covers tasks whose result is ignored, or not stored).  The worker extends the
+covers tasks whose result is ignored, or not stored, and attempts that ended in
+a retry, whose late copies must not run again).  The worker extends the
 claims of its running tasks while they run and releases each when Celery
 settles the task; a claim left by a killed worker expires after the lease.  A
 copy that finds the claim taken is put back in the store, due when the claim
@@ -61,11 +62,12 @@ class RunClaims:
     def key(self, task_id: str) -> str:
         return task_key(self.prefix, "run", task_id)
 
-    def acquire(self, task_id: str) -> int:
-        """Claim ``task_id``: 0 on success, :data:`REVOKED` or :data:`FINISHED` when it must
-        not run, else the ms until the current claim expires."""
+    def acquire(self, task_id: str, attempt: int = 0) -> int:
+        """Claim attempt ``attempt`` (Celery's ``retries``) of ``task_id``: 0 on success,
+        :data:`REVOKED` or :data:`FINISHED` when it must not run, else the ms until the
+        current claim expires."""
         wait_ms = self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
-                                args=[self.owner, self.lease_ms])
+                                args=[self.owner, self.lease_ms, attempt])
         if wait_ms == 0:
             with self._lock:
                 self._held.add(task_id)
@@ -105,13 +107,24 @@ def task_key(prefix: str, kind: str, task_id: str) -> str:
     return f"{prefix}:{kind}:{{{zlib.crc32(task_id.encode()):08x}}}{task_id}"
 
 
+#: The finished record of a task id that ended for good (else: the attempt that retried).
+ENDED = "F"
+
+
 def remember_finished(app: Celery) -> None:
-    """Connect a ``task_postrun`` handler recording, for ``delayed_done_ttl`` seconds, each task
-    id from Kafka that ended in a terminal state (not a retry), where the task ran."""
+    """Connect a ``task_postrun`` handler recording, for ``delayed_done_ttl`` seconds, where the
+    task ran, each task id from Kafka that ended in a terminal state (as :data:`ENDED`) or in a
+    retry (as the number of the attempt that retried: its late copies must not run again)."""
 
     def on_postrun(sender: Task | None = None, task_id: str | None = None, state: str | None = None,
                    **_: Any) -> None:
-        if sender is None or sender.app is not app or state not in states.READY_STATES:
+        if sender is None or sender.app is not app:
+            return
+        if state in states.READY_STATES:
+            record = ENDED
+        elif state == states.RETRY:
+            record = str(sender.request.retries or 0)
+        else:
             return
         if not getattr(sender.request, FROM_KAFKA, None):
             return
@@ -120,7 +133,7 @@ def remember_finished(app: Celery) -> None:
         if ttl_ms <= 0:
             return
         try:
-            store.redis.set(task_key(store.settings.key_prefix, "done", task_id), 1, px=ttl_ms)
+            store.redis.set(task_key(store.settings.key_prefix, "done", task_id), record, px=ttl_ms)
         except STORE_ERRORS as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 

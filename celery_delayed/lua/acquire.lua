@@ -1,12 +1,18 @@
 -- Take the run claim of a task id for this worker, unless the task was revoked
--- or has already finished (once.py: remember_finished). The keys carry the task
--- id as hash tag, so this also runs on Redis Cluster.
+-- or this attempt of it has already ended (once.py: remember_finished). The
+-- finished record holds 'F' once the task ended for good, else the attempt
+-- number (Celery's `retries`) of the last attempt that ended in a retry: a late
+-- copy of that attempt, or of an earlier one, must not run again. The keys
+-- carry the task id as hash tag, so this also runs on Redis Cluster.
 --
 -- KEYS[1] run claim key   KEYS[2] revoke record key   KEYS[3] finished record key
--- ARGV[1] owner   ARGV[2] lease ms
--- Returns 0 when claimed, -1 when the task was revoked, -2 when it finished,
+-- ARGV[1] owner   ARGV[2] lease ms   ARGV[3] this copy's attempt number
+-- Returns 0 when claimed, -1 when the task was revoked, -2 when it (this attempt) finished,
 -- else the ms until the current holder's claim expires.
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-if redis.call('EXISTS', KEYS[3]) == 1 then return -2 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
-return math.max(1, redis.call('PTTL', KEYS[1]))
+local claim, revoked, finished = KEYS[1], KEYS[2], KEYS[3]
+local owner, lease, attempt = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('EXISTS', revoked) == 1 then return -1 end
+local ended = redis.call('GET', finished)
+if ended == 'F' or (ended and tonumber(ended) and tonumber(ended) >= attempt) then return -2 end
+if redis.call('SET', claim, owner, 'NX', 'PX', lease) then return 0 end
+return math.max(1, redis.call('PTTL', claim))

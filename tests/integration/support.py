@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -51,10 +52,10 @@ class Processes:
     def poller(self) -> subprocess.Popen:
         return self.start("poller", "delayed", "poller", "-l", "INFO")
 
-    def worker(self, name: str = "w1", *args: str) -> subprocess.Popen:
+    def worker(self, name: str = "w1", *args: str, env: dict | None = None) -> subprocess.Popen:
         queue = self.overrides["task_default_queue"]
         return self.start(f"worker-{name}", "worker", "-l", "INFO", "-n", f"{name}@%h", "-Q", queue,
-                          "--without-heartbeat", "--without-mingle", "--without-gossip", *args)
+                          "--without-heartbeat", "--without-mingle", "--without-gossip", *args, env=env)
 
     def log(self, proc: subprocess.Popen) -> str:
         return next(log for p, log in self.procs if p is proc).read_text(errors="replace")
@@ -159,3 +160,37 @@ class Servers:
     def restore(self) -> None:
         for name in list(self.stopped):
             self.start(name)
+
+
+class Starver:
+    """Starves a process of CPU as a busy host or a cgroup quota does: SIGSTOP for ``stop_s``,
+    SIGCONT for ``run_s``, over and over, from a thread, until :meth:`close` (or ``limit_s``).
+    The process is always left running."""
+
+    def __init__(self, pid: int, stop_s: float = 0.3, run_s: float = 0.06, limit_s: float = 300.0) -> None:
+        self.pid, self.stop_s, self.run_s, self.limit_s = pid, stop_s, run_s, limit_s
+        self.cycles = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._starve, name="starver", daemon=True)
+        self._thread.start()
+
+    def _starve(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        try:
+            while not self._done.is_set() and time.monotonic() < deadline:
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self.cycles += 1
+                self._done.wait(self.run_s)
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,158 @@
+"""Races and outages an independent review reproduced, each under the conditions that expose it:
+a CPU-starved poller, a restarted Redis, a long task, a blinking result backend, a broker reconnect."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis
+from celery import states
+
+from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetters
+from celery_delayed.once import task_key
+from tasks import create_app
+
+from .support import Starver, wait_for
+from .test_worker import committed, kafka_queue, taken_out
+
+
+def runs(app, run: str) -> dict[str, int]:
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    return {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+
+
+def test_ledger_retries_racing_a_cpu_starved_pollers_ack_are_never_lost(overrides, processes):
+    """2,000 tasks retry once through the store while the poller is SIGSTOP 300 ms / SIGCONT 60 ms
+    cycled: a retry is often written before the poller served its first copy's delivery report,
+    and that copy's ack must not delete it.  Every task runs exactly twice and succeeds."""
+    n = 2000
+    overrides.update(delayed_partitions=8)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    poller = processes.poller()
+    processes.worker("w1", "-c", "4", "--prefetch-multiplier", "8")
+    results = [app.tasks["tasks.demo.flaky"].apply_async((run, 1, 1.0 + (i % 3)), countdown=2 + i / 1000)
+               for i in range(n)]
+    starver = Starver(poller.pid, stop_s=0.3, run_s=0.06, limit_s=240)
+    try:
+        deadline = time.monotonic() + 180
+        pending = {r.id for r in results}
+        while pending and time.monotonic() < deadline:
+            done = {task_id for task_id in pending if app.backend.get_task_meta(task_id)["status"] in states.READY_STATES}
+            pending -= done
+            time.sleep(0.5)
+    finally:
+        starver.close()
+    ledger = runs(app, run)
+    status = {r.id: app.backend.get_task_meta(r.id)["status"] for r in results}
+    lost = [task_id for task_id, state in status.items() if state != states.SUCCESS]
+    duplicated = [task_id for task_id, count in ledger.items() if count > 2]
+    print(f"\nledger: {n} tasks retrying once under {starver.cycles} SIGSTOP/SIGCONT cycles of the poller: "
+          f"{len(lost)} lost, {len(duplicated)} ran more than twice")
+    assert not lost, f"{len(lost)} tasks never succeeded, e.g. {[(i, status[i], ledger.get(i)) for i in lost[:5]]}"
+    assert not duplicated, f"{len(duplicated)} tasks ran more than twice, e.g. {duplicated[:5]}"
+    assert all(ledger[r.id] == 2 for r in results)
+    assert starver.cycles > 20, "the poller was hardly starved: the test proved nothing"
+
+
+def test_a_retry_while_the_stores_redis_restarts_is_stored_once_it_is_back(overrides, processes, servers):
+    """Tasks in their first attempt retry while Redis (store, broker and results) is down for
+    ~10 s: the retry's store write is retried until Redis is back, never given up as a failure."""
+    servers.require_ours("redis")
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    processes.poller()
+    processes.worker("w1", "-c", "4")
+    results = [app.tasks["tasks.demo.flaky"].apply_async((run, 1, 2.0, 3.0), countdown=1.5) for _ in range(4)]
+    wait_for(lambda: len(runs(app, run)) == 4, 60, "the four tasks to start their first attempt")
+    servers.stop("redis")  # while they sleep: each retries when Redis is down
+    time.sleep(10)
+    servers.start("redis")
+    for result in results:
+        assert result.get(timeout=120, propagate=False) == 2, (result.state, result.result)
+    assert runs(app, run) == {r.id: 2 for r in results}
+
+
+def test_one_long_task_does_not_stop_the_intake_of_the_short_ones_behind_it(overrides, processes):
+    """-c 2, prefetch 1: a 40 s task, then 12 short ones due a second later on the same Kafka
+    partition.  The short ones settled behind the long one must not count against the limit."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    long = app.tasks["tasks.demo.work"].apply_async((run, 40.0), countdown=2)
+    short = [app.tasks["tasks.demo.work"].apply_async((run, 0.0), countdown=3) for _ in range(12)]
+    processes.poller()
+    processes.worker("w1", "-c", "2", "--prefetch-multiplier", "1")
+    wait_for(lambda: long.id in runs(app, run), 60, "the long task to start")
+    started = time.monotonic()
+    wait_for(lambda: all(r.ready() for r in short), 20, "the 12 short tasks to finish beside the long one")
+    print(f"\nshort tasks behind a 40 s task: all 12 done {time.monotonic() - started:.1f} s after it started")
+    assert not long.ready()
+    assert committed(app) == 0, "committed past the long task that still runs"
+
+
+def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):
+    """The result backend fails the second check of each task id (the one after the run claim is
+    taken): the task is tried again a second later and runs once; it is not dead-lettered, and
+    its run claim is not left behind to bounce every later copy."""
+    backend = overrides.get("result_backend") or create_app(**overrides).conf.result_backend
+    overrides["result_backend"] = backend.replace("celery_delayed.backend:RedisBackend",
+                                                  "tests.integration.blinking_backend:BlinkingBackend")
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    results = [app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5) for _ in range(5)]
+    processes.poller()
+    processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": "2"})
+    assert {r.get(timeout=60) for r in results} == {r.id for r in results}
+    assert runs(app, run) == {r.id: 1 for r in results}
+    assert DeadLetters(store_of(app)).count() == 0, "a transient backend error dead-lettered a task"
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    prefix = overrides["delayed_key_prefix"]
+    wait_for(lambda: not any(r.exists(task_key(prefix, "run", x.id)) for x in results), 10,
+             "every run claim to be released")
+
+
+def test_a_late_copy_of_an_attempt_that_retried_does_not_run_again(overrides, processes):
+    """Attempt 0 ran and retried; a copy of attempt 0 delivered after that (a redelivery) is
+    acknowledged without running, and the retry still runs once."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    result, envelope = taken_out(app, "tasks.demo.flaky", (run, 1, 4.0))  # retries 4 s after attempt 0
+    producer, topic = kafka_queue(app)
+    processes.poller()
+    processes.worker("w1")
+    producer.produce(topic, key=result.id, value=envelope)
+    producer.flush(10)
+    wait_for(lambda: app.backend.get_task_meta(result.id)["status"] == states.RETRY, 60, "attempt 0 to retry")
+    producer.produce(topic, key=result.id, value=envelope)  # attempt 0 again, late
+    producer.flush(10)
+    wait_for(lambda: committed(app) == 2, 30, "the late copy to be acknowledged")
+    assert runs(app, run) == {result.id: 1}, "the late copy of attempt 0 ran again"
+    assert result.get(timeout=60) == 2
+    assert runs(app, run) == {result.id: 2}
+
+
+def test_after_a_broker_reconnect_reserved_tasks_run_without_waiting_for_the_old_consumer(overrides, processes):
+    """A broker reconnect drops the requests Celery had reserved from Kafka; the old Kafka
+    consumer waits only for the task still running, then leaves the group, so the new one reads
+    the dropped records again at once (not after the 60 s drain timeout)."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    long = app.tasks["tasks.demo.work"].apply_async((run, 3.0), countdown=1.5)
+    reserved = [app.tasks["tasks.demo.work"].apply_async((run, 0.0), countdown=2) for _ in range(3)]
+    processes.poller()
+    worker = processes.worker("w1", "-c", "1", "--prefetch-multiplier", "4")
+    wait_for(lambda: long.id in runs(app, run), 60, "the long task to start")
+    time.sleep(1)  # the short ones are read and reserved behind it
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    cut = time.monotonic()
+    r.client_kill_filter(_type="normal", skipme=True)  # the broker connection drops: consumer restart
+    assert long.get(timeout=60) == long.id
+    for x in reserved:
+        assert x.get(timeout=45) == x.id
+    print(f"\nbroker reconnect: reserved tasks done {time.monotonic() - cut:.1f} s after the cut")
+    assert time.monotonic() - cut < 40, "the reserved tasks waited for the old consumer's drain timeout"
+    assert "Connection to broker lost" in processes.log(worker)

@@ -237,15 +237,16 @@ class Poller:
         self._alone = None
 
     def _settle(self, action: Callable[[int, list[tuple[str, int]]], int], partition: int,
-                claimed: list[tuple[str, int]]) -> bool:
-        """Ack or nack ``(task_id, stamp)`` copies in the store; on a Redis error they stay in flight
-        and return after the visibility timeout (a duplicate at worst), so the loop goes on."""
+                claimed: list[tuple[str, int]]) -> int | None:
+        """Ack or nack ``(task_id, stamp)`` copies in the store; returns how many were still in flight
+        under their claim (the others gave way to a newer copy, which stays).  On a Redis error
+        (None) they stay in flight and return after the visibility timeout (a duplicate at
+        worst), so the loop goes on."""
         try:
-            action(partition, claimed)
-            return True
+            return action(partition, claimed)
         except STORE_ERRORS as exc:
             logger.warning("could not settle %d tasks of partition %d: %s", len(claimed), partition, exc)
-            return False
+            return None
 
     def _drain_reports(self, timeout: float) -> None:
         """Serve Kafka delivery reports: ack the delivered, return the failed to due."""
@@ -271,11 +272,13 @@ class Poller:
                 if due_ms is not None:
                     metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
         for partition, ids in delivered.items():
-            if self._settle(self.store.ack, partition, ids):
+            acked = self._settle(self.store.ack, partition, ids)
+            if acked is not None:
                 self.stats["dispatched"] += len(ids)
+                self.stats["superseded"] += len(ids) - acked  # a retry or put-back came first
                 metrics.DISPATCHED.inc(len(ids))
         for partition, ids in failed.items():
-            if self._settle(self.store.nack, partition, ids):
+            if self._settle(self.store.nack, partition, ids) is not None:
                 self._next_due[partition] = 0  # due again in a second: look then
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))

@@ -83,6 +83,50 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+# -- what ran ------------------------------------------------------------------
+def versions(settings: Settings | None = None) -> dict[str, str]:
+    """The machine and the versions of every server and library a run used, to print beside its figures."""
+    import celery
+    import confluent_kafka
+    import kombu
+
+    settings = settings or Settings.from_mapping(_servers())
+    found = {"machine": f"{os.cpu_count()} cores, {_memory_gib():.0f} GiB", "python": sys.version.split()[0],
+             "celery": celery.__version__, "kombu": kombu.__version__, "redis-py": redis.__version__,
+             "confluent-kafka": f"{confluent_kafka.__version__} (librdkafka {confluent_kafka.libversion()[0]})"}
+    for name, read in (("redis", lambda: connect(settings).info("server")["redis_version"]),
+                       ("etcd", lambda: make_etcd(settings).status().version),
+                       ("kafka", _kafka_version)):
+        try:
+            found[name] = str(read())
+        except Exception as exc:  # a version is information: never fail a run for it
+            found[name] = f"unknown ({type(exc).__name__})"
+    return found
+
+
+def _servers() -> dict[str, str]:
+    """The servers of scripts/services, as the demo configuration finds them."""
+    from config import celeryconfig
+    return {name: getattr(celeryconfig, f"delayed_{name}") for name in ("redis_url", "kafka_servers", "etcd_endpoints")}
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _kafka_version() -> str:
+    """The Kafka scripts/services runs, from the name of its server jar."""
+    libs = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services")) / "kafka" / "libs"
+    jar = next(libs.glob("kafka-server-[0-9]*.jar"))
+    return jar.name[len("kafka-server-"):-len(".jar")]
+
+
+def cpu_hog(seconds: float) -> subprocess.Popen:
+    """A busy neighbour: one process spinning one core for ``seconds`` (then it exits by itself)."""
+    return subprocess.Popen([sys.executable, "-c", f"import time\nend = time.time() + {seconds}\n"
+                             "while time.time() < end: pass"], start_new_session=True)
+
+
 # -- Kafka ---------------------------------------------------------------------
 def topic_partitions(settings: Settings, topic: str, timeout: float = 10.0) -> list[int]:
     """Partition numbers of an existing topic."""

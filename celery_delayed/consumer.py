@@ -30,7 +30,7 @@ from kombu.serialization import prepare_accept_content
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope
-from .kafka import ensure_topics
+from .kafka import CLAIMED_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, finished
 from .revoke import record_revoked
@@ -238,6 +238,7 @@ class KafkaFeed:
         if first is None:
             return
         records = [first, *(consumer.consume(num_messages=min(room, 500) - 1, timeout=0) if room > 1 else ())]
+        read_ms = int(time.time() * 1000)
         accepted = []
         for record in records:
             if record.error():
@@ -245,7 +246,7 @@ class KafkaFeed:
                 continue
             partition = self.offsets.add((record.topic(), record.partition()), record.offset())
             if partition is not None:  # None: revoked meanwhile, the new owner reads it
-                accepted.append((record, partition))
+                accepted.append((record, partition, read_ms))
         if accepted:
             self._hand_over(accepted)
 
@@ -293,17 +294,17 @@ class KafkaFeed:
                     self._ready.clear()
                     self._scheduled = False
                     return
-                record, partition = self._ready.popleft()
+                record, partition, read_ms = self._ready.popleft()
             try:
-                self._dispatch(record, partition)
+                self._dispatch(record, partition, read_ms)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
                 logger.warning("task delivery deferred 1 s: %r", exc)
                 with self._ready_lock:
-                    self._ready.appendleft((record, partition))
+                    self._ready.appendleft((record, partition, read_ms))
                 self.c.hub.call_later(1.0, self._drain)
                 return
 
-    def _dispatch(self, record: Any, partition: PartitionOffsets) -> None:
+    def _dispatch(self, record: Any, partition: PartitionOffsets, read_ms: int) -> None:
         """Hand one record to Celery's strategy for its task, unless it must not run (again).
 
         Raises only for errors outside the message (the record is tried again);
@@ -342,7 +343,7 @@ class KafkaFeed:
             return
         self._in_hand.add(task_id)
         try:
-            self._run_claimed(record, partition, envelope, headers, strategy)
+            self._run_claimed(record, partition, envelope, headers, strategy, read_ms)
         except _Unrunnable as exc:
             self._release(task_id)
             self._dead_letter(record, partition, str(exc), exc.traceback)
@@ -351,7 +352,7 @@ class KafkaFeed:
             raise
 
     def _run_claimed(self, record: Any, partition: PartitionOffsets, envelope: Envelope, headers: dict,
-                     strategy: Any) -> None:
+                     strategy: Any, read_ms: int) -> None:
         """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
         task_id, offset = envelope.task_id, record.offset()
         if finished(self.c.app.backend, task_id):  # finished between the check and the claim
@@ -359,7 +360,10 @@ class KafkaFeed:
             self._skip_finished(task_id, partition, offset)
             return
         headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
-        headers[FROM_KAFKA] = 1  # the process running it remembers when it finished
+        # the process running it remembers when it finished, and task code (benchmarks) can read
+        # when each hop happened: claimed by the poller, produced, read here, handed to Celery
+        headers[FROM_KAFKA] = {"claimed": _claimed_ms(record), "produced": record.timestamp()[1], "read": read_ms,
+                               "handed": int(time.time() * 1000)}
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
                           properties=envelope.properties, accept=self.accept, channel=None,
@@ -430,6 +434,14 @@ class _Unrunnable(Exception):
     def __init__(self, reason: str, traceback: str) -> None:
         super().__init__(reason)
         self.traceback = traceback
+
+
+def _claimed_ms(record: Any) -> int | None:
+    """When the poller claimed a record's task (its :data:`.kafka.CLAIMED_HEADER`), if it says."""
+    for name, value in record.headers() or ():
+        if name == CLAIMED_HEADER:
+            return int(value)
+    return None
 
 
 def _attempt(headers: dict) -> int:

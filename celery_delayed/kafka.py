@@ -11,6 +11,9 @@ from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
+#: Record header the poller sets: when it claimed the task (ms, Redis clock), for per-hop timing.
+CLAIMED_HEADER = "x-delayed-claimed"
+
 
 def make_producer(settings: Settings) -> Producer:
     """An idempotent, acks=all producer: a retried send never duplicates in Kafka.

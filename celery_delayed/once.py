@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 #: :meth:`RunClaims.acquire`'s answers for a revoked task id, and for one that finished.
 REVOKED, FINISHED = -1, -2
 #: Header the worker's Kafka consumer adds to each message it hands to Celery, so the
-#: process that runs the task knows to remember when it finished.
+#: process that runs the task knows to remember when it finished; its value says when
+#: the task was claimed, produced, read and handed to Celery (ms since the epoch).
 FROM_KAFKA = "x_celery_delayed"
 
 

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import EnvelopeError, decode_meta
-from .kafka import ensure_topics, make_producer
+from .kafka import CLAIMED_HEADER, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, Fenced
@@ -159,14 +159,16 @@ class Poller:
                 break
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
+            claimed = [(CLAIMED_HEADER, str(claim.now_ms))]
             for task_id, due_ms, data in claim.items:
-                produced += self._produce(partition, task_id, claim.stamp, due_ms, data)
+                produced += self._produce(partition, task_id, claim.stamp, due_ms, data, claimed)
             full = len(claim.items) >= budget
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
 
-    def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes) -> int:
+    def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
+                 headers: list[tuple[str, str]] | None = None) -> int:
         try:
             topic = self.settings.topic(decode_meta(data)["q"])
         except EnvelopeError as exc:
@@ -179,7 +181,7 @@ class Poller:
 
         while True:
             try:
-                self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
+                self.producer.produce(topic, key=task_id, value=data, headers=headers, on_delivery=self._on_delivery)
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)

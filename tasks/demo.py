@@ -1,6 +1,7 @@
 """Demo tasks: arithmetic, and a task that records when it ran for the demo's report."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,6 +11,7 @@ import redis
 from celery import current_app, shared_task
 
 from celery_delayed import store_of
+from celery_delayed.once import FROM_KAFKA
 
 
 def _redis() -> redis.Redis | redis.RedisCluster:
@@ -24,13 +26,17 @@ def add(x: int, y: int) -> int:
 
 @shared_task(name="tasks.demo.fire", bind=True)
 def fire(self, run: str, due_ms: int) -> int:
-    """Record one execution of this task id and its lag behind the due time (ms)."""
-    lag_ms = int(time.time() * 1000) - due_ms
+    """Record one execution of this task id and its lag behind the due time (ms); run from
+    Kafka, also when each hop on its way happened (the worker's feed says: ``hops``)."""
+    started_ms = int(time.time() * 1000)
     pipe = _redis().pipeline(transaction=False)
     pipe.hincrby(f"demo:{run}:runs", self.request.id, 1)
-    pipe.rpush(f"demo:{run}:lag", lag_ms)
+    pipe.rpush(f"demo:{run}:lag", started_ms - due_ms)
+    hops = getattr(self.request, FROM_KAFKA, None)
+    if isinstance(hops, dict):
+        pipe.rpush(f"demo:{run}:hops", json.dumps({"due": due_ms, **hops, "started": started_ms}))
     pipe.execute()
-    return lag_ms
+    return started_ms - due_ms
 
 
 @shared_task(name="tasks.demo.work", bind=True)

@@ -9,9 +9,13 @@ Throughput: N tasks already due, one worker (prefork, 2 processes) started on
 them; tasks/s from the first to the last task started.  Baseline: the same N
 tasks waiting on the broker queue.  Lag: tasks scheduled at a fixed rate with a
 2 s countdown; lag = task start - due time.  Baseline: Celery's own ETA
-handling (the worker holds each task in memory until due).
+handling (the worker holds each task in memory until due).  On the Kafka path
+each lag is split into its hops (due -> claimed by the poller -> produced ->
+read by the worker's feed -> handed to Celery -> started), so a regression
+names its hop.  ``--load`` measures everything twice: quiet, and beside a
+busy neighbour (one process spinning one core for the whole run).
 
-    python -m bench.e2e [--quick] [--tasks N] [--rate R] [--duration S]
+    python -m bench.e2e [--quick] [--load] [--tasks N] [--rate R] [--duration S]
 
 Writes bench/results/e2e-<time>.json and .png (lag distributions).
 """
@@ -31,7 +35,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.common import RESULTS, cleanup, new_overrides, plot_lags, settings_of, summary
+from bench.common import RESULTS, cleanup, cpu_hog, new_overrides, plot_lags, settings_of, summary, versions
 from tasks import create_app
 from tests.integration.support import Processes, wait_for
 
@@ -41,6 +45,19 @@ console = Console()
 def lags_of(client: redis.Redis, run: str) -> list[int]:
     """Lags (ms) recorded by ``tasks.demo.fire`` for one run."""
     return [int(x) for x in client.lrange(f"demo:{run}:lag", 0, -1)]
+
+
+#: The hops of a task's way from its due time to its start, as (name, from, to) of ``fire``'s record.
+HOPS = [("due -> claimed", "due", "claimed"), ("claimed -> produced", "claimed", "produced"),
+        ("produced -> read", "produced", "read"), ("read -> handed", "read", "handed"),
+        ("handed -> started", "handed", "started")]
+
+
+def hops_of(client: redis.Redis, run: str) -> dict[str, dict[str, float]]:
+    """p50/p99/max (ms) of each hop, from the hop records ``tasks.demo.fire`` wrote for one run."""
+    records = [json.loads(x) for x in client.lrange(f"demo:{run}:hops", 0, -1)]
+    return {name: summary([r[b] - r[a] for r in records if r.get(a) is not None and r.get(b) is not None])
+            for name, a, b in HOPS}
 
 
 def wait_fired(client: redis.Redis, run: str, n: int, progress: Progress, label: str, timeout: float) -> None:
@@ -112,17 +129,51 @@ def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path)
         wait_fired(client, run, n, progress, f"{path}: run {n}", timeout=120)
         lags = lags_of(client, run)
         return {"path": path, "rate": rate, "tasks": n, "achieved_rate": n / (time.monotonic() - started),
-                "lag_ms": summary(lags), "points": [(i / rate, x) for i, x in enumerate(lags)],
-                "warm": warm.id}
+                "lag_ms": summary(lags), "hops_ms": hops_of(client, run) if path == "kafka" else None,
+                "points": [(i / rate, x) for i, x in enumerate(lags)], "warm": warm.id}
     finally:
         procs.stop_all()
-        client.delete(f"demo:{run}:runs", f"demo:{run}:lag", f"demo:{run}-warm:runs", f"demo:{run}-warm:lag")
+        client.delete(f"demo:{run}:runs", f"demo:{run}:lag", f"demo:{run}:hops", f"demo:{run}-warm:runs",
+                      f"demo:{run}-warm:lag", f"demo:{run}-warm:hops")
         cleanup(settings_of(overrides), [settings_of(overrides).topic(overrides["task_default_queue"])])
+
+
+def profile(name: str, n: int, rate: int, duration: float, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """Both paths' throughput and lag, quiet or (``load``) beside a CPU hog running all along."""
+    hog = cpu_hog(3600) if name == "load" else None
+    try:
+        rates = [throughput(path, n, progress, logdir) for path in ("broker", "kafka")]
+        lags = [lag(path, rate, duration, progress, logdir) for path in ("broker", "kafka")]
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    return {"profile": name, "throughput": rates, "lag": lags,
+            "throughput_ratio": rates[1]["per_s"] / rates[0]["per_s"],
+            "lag_p99_ratio": lags[1]["lag_ms"]["p99"] / max(lags[0]["lag_ms"]["p99"], 1)}
+
+
+def report(result: dict[str, Any], n: int, rate: int, duration: float) -> None:
+    """Print one profile's tables: both paths side by side, then the Kafka path's hops."""
+    table = Table("path", "tasks/s (1 worker, 2 procs)", "lag p50", "lag p99", "lag max", "lost",
+                  title=f"{result['profile']}: {n} tasks; lag at {rate}/s for {duration:.0f} s")
+    for t, l in zip(result["throughput"], result["lag"]):
+        s = l["lag_ms"]
+        table.add_row(t["path"], f"{t['per_s']:.0f}", f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms",
+                      f"{s['max']:.0f} ms", str(l["tasks"] - s["count"]))
+    console.print(table)
+    hops = Table("hop (kafka path)", "p50", "p99", "max", title=f"{result['profile']}: where the lag goes")
+    for name, s in result["lag"][1]["hops_ms"].items():
+        hops.add_row(name, f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms", f"{s['max']:.0f} ms")
+    console.print(hops)
+    console.print(f"{result['profile']}: throughput kafka/broker = {result['throughput_ratio']:.2f}; "
+                  f"lag p99 kafka/broker = {result['lag_p99_ratio']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small counts, for CI")
+    parser.add_argument("--load", action="store_true", help="measure beside a busy neighbour too (one core spun)")
     parser.add_argument("--tasks", type=int, help="tasks per throughput run (default 3000; quick 500)")
     parser.add_argument("--rate", type=int, help="tasks/s for the lag runs (default 100; quick 50)")
     parser.add_argument("--duration", type=float, help="seconds of the lag runs (default 20; quick 6)")
@@ -134,28 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    ran_on = versions()
+    console.print("versions: " + ", ".join(f"{k} {v}" for k, v in ran_on.items()))
     with Progress(console=console) as progress:
-        rates = [throughput(path, n, progress, logdir) for path in ("broker", "kafka")]
-        lags = [lag(path, rate, duration, progress, logdir) for path in ("broker", "kafka")]
-
-    table = Table("path", "tasks/s (1 worker, 2 procs)", "lag p50", "lag p99", "lag max", "lost",
-                  title=f"end to end: {n} tasks; lag at {rate}/s for {duration:.0f} s")
-    for t, l in zip(rates, lags):
-        s = l["lag_ms"]
-        table.add_row(t["path"], f"{t['per_s']:.0f}", f"{s['p50']:.0f} ms", f"{s['p99']:.0f} ms",
-                      f"{s['max']:.0f} ms", str(l["tasks"] - s["count"]))
-    console.print(table)
-    ratio = rates[1]["per_s"] / rates[0]["per_s"]
-    console.print(f"throughput kafka/broker = {ratio:.2f}; "
-                  f"lag p99 kafka/broker = {lags[1]['lag_ms']['p99'] / max(lags[0]['lag_ms']['p99'], 1):.2f}")
-    png = plot_lags({f"{l['path']} ({l['rate']}/s)": l["points"] for l in lags}, RESULTS / f"e2e-{stamp}.png",
+        results = [profile(name, n, rate, duration, progress, logdir)
+                   for name in (("quiet", "load") if opts.load else ("quiet",))]
+    for result in results:
+        report(result, n, rate, duration)
+    png = plot_lags({f"{r['profile']}: {l['path']} ({l['rate']}/s)": l["points"] for r in results for l in r["lag"]},
+                    RESULTS / f"e2e-{stamp}.png",
                     "due time -> task started, one worker: celery-delayed (kafka) vs Celery ETA (broker)",
                     lag_label="task started - due time")
-    for l in lags:
-        del l["points"]
+    for r in results:
+        for l in r["lag"]:
+            del l["points"]
     out = RESULTS / f"e2e-{stamp}.json"
-    out.write_text(json.dumps({"throughput": rates, "lag": lags, "throughput_ratio": ratio,
-                               "argv": argv, "logs": str(logdir)}, indent=2))
+    out.write_text(json.dumps({"versions": ran_on, "profiles": results, "argv": argv, "logs": str(logdir)},
+                              indent=2))
     console.print(f"results: {out}\nplot: {png}")
     return 0
 

@@ -1,7 +1,7 @@
 """Worker side: a consumer bootstep that feeds Kafka records to stock Celery.
 
 A background thread reads the ready topics of the worker's queues and hands
-records to the worker's event loop (``hub.call_soon``), where each becomes a
+records to the worker's event loop (a pipe it watches), where each becomes a
 kombu message given to Celery's own task strategy: events, time limits,
 ``acks_late``, revoke and results behave as for broker messages.  A record's
 offset is settled when Celery acks or rejects the request, and only the
@@ -10,6 +10,7 @@ contiguous settled prefix of each partition is committed (see :mod:`.offsets`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -113,6 +114,7 @@ class KafkaFeed:
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
+        self._wakeup: Wakeup | None = None
 
     # -- consumer thread -------------------------------------------------------
     def start(self) -> None:
@@ -132,6 +134,7 @@ class KafkaFeed:
         }))
         self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
                                  on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._wakeup = Wakeup(self.c.hub, self._drain)
         self._running.set()
         self._reading.set()
         _feeds.add(self)
@@ -157,6 +160,7 @@ class KafkaFeed:
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
+        self._wakeup.unwatch()
 
     def close(self) -> None:
         """Commit what is settled and leave the consumer group now."""
@@ -194,6 +198,7 @@ class KafkaFeed:
         finally:
             self._commit(self.offsets.committable())
             consumer.close()
+            self._wakeup.close()
             _feeds.discard(self)
 
     def _wait_for_room(self, consumer: Consumer, full_since: float) -> float:
@@ -278,7 +283,7 @@ class KafkaFeed:
             if self._scheduled:
                 return
             self._scheduled = True
-        self.c.hub.call_soon(self._drain)
+        self._wakeup.wake()
 
     def _drain(self) -> None:
         """On the loop thread: give every waiting record to Celery, in order.
@@ -426,6 +431,50 @@ class KafkaFeed:
     def _settle(self, partition: PartitionOffsets, offset: int) -> None:
         self.offsets.settle(partition, offset)
         self._room.set()
+
+
+class Wakeup:
+    """Runs ``callback`` on the worker's event loop as soon as another thread calls :meth:`wake`.
+
+    A pipe the loop watches (``hub.add_reader``): kombu 5.6's ``call_soon``
+    from another thread does not wake the loop, which then sleeps up to its
+    1 s poll timeout; this is prompt on every kombu.
+    """
+
+    def __init__(self, hub: Any, callback: Any) -> None:
+        self.hub, self.callback = hub, callback
+        self._read, self._write = os.pipe()
+        for fd in (self._read, self._write):
+            os.set_blocking(fd, False)
+        hub.add_reader(self._read, self._on_readable)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:  # the pipe is full: the loop has wake-ups pending anyway
+            pass
+        except OSError:  # closed by stop(): records left are read again after a restart
+            pass
+
+    def _on_readable(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self.callback()
+
+    def unwatch(self) -> None:
+        """Stop watching the pipe (on the loop thread): later wake-ups do nothing."""
+        try:
+            self.hub.remove_reader(self._read)
+        except Exception:  # the hub was reset meanwhile (a consumer restart): nothing to remove
+            pass
+
+    def close(self) -> None:
+        """Close the pipe, once no thread can wake it any more."""
+        for fd in (self._read, self._write):
+            os.close(fd)
 
 
 class _Unrunnable(Exception):

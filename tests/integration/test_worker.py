@@ -56,11 +56,13 @@ def test_out_of_order_completion_never_commits_past_a_running_task(overrides, pr
     app = create_app(**overrides)
     run = uuid.uuid4().hex
     slow = due_in(app, "tasks.demo.work", (run, 8.0), seconds=1.5)
-    fast = [due_in(app, "tasks.demo.work", (run, 0.0), seconds=2.5) for _ in range(10)]
     processes.poller()
     processes.worker("w1", "-c", "4")
-    for r in fast:
-        r.get(timeout=60)
+    client = redis.Redis.from_url(app.conf.delayed_redis_url)
+    wait_for(lambda: client.hexists(f"demo:{run}:runs", slow.id), 60, "the slow task to start")  # first on Kafka
+    fast = [due_in(app, "tasks.demo.work", (run, 0.0), seconds=1.5) for _ in range(10)]
+    for result in fast:
+        result.get(timeout=60)
     time.sleep(1.5)  # several commit intervals
     assert not slow.ready()
     assert committed(app) == 0, "committed past the slow task that is still running"

@@ -35,3 +35,8 @@ def test_dockerfile_copies_what_the_app_imports():
     text = (ROOT / "docker" / "Dockerfile").read_text()
     for folder in ("celery_delayed", "tasks", "config"):
         assert f"COPY {folder}" in text
+
+
+def test_the_image_installs_the_tested_versions():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "constraints.txt" in dockerfile and "-c constraints.txt" in dockerfile

@@ -31,12 +31,12 @@ from kombu.serialization import prepare_accept_content
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope
-from .kafka import CLAIMED_HEADER, ensure_topics
+from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, finished
 from .revoke import record_revoked
 from .settings import Settings
-from .store import STORE_ERRORS, DelayedStore
+from .store import STORE_ERRORS, DelayedStore, iso_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,16 @@ _feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
 def _close_feeds(**_: Any) -> None:
     for feed in list(_feeds):
         feed.close()
+
+
+@signals.task_received.connect
+def _restore_eta(request: Any = None, **_: Any) -> None:
+    """A task from Kafka sees the ETA it was scheduled with (``self.request.eta``), though
+    Celery's timer never held it: the strategy has read the message, so the ETA goes back into
+    the request's dict, which the pool builds the task's context from."""
+    marks = request.request_dict.get(FROM_KAFKA) if request is not None else None
+    if isinstance(marks, dict) and marks.get("eta"):
+        request.request_dict["eta"] = marks["eta"]
 
 
 class KafkaConsumerStep(bootsteps.StartStopStep):
@@ -364,11 +374,14 @@ class KafkaFeed:
             self._release(task_id)
             self._skip_finished(task_id, partition, offset)
             return
-        headers.pop("eta", None)  # due now: Celery's own ETA timer must not hold it again
-        # the process running it remembers when it finished, and task code (benchmarks) can read
-        # when each hop happened: claimed by the poller, produced, read here, handed to Celery
-        headers[FROM_KAFKA] = {"claimed": _claimed_ms(record), "produced": record.timestamp()[1], "read": read_ms,
-                               "handed": int(time.time() * 1000)}
+        # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
+        # where the process running it finds it for request.eta, remembers when it finished,
+        # and task code (benchmarks) can read when each hop happened.
+        marks = _record_headers(record)
+        due_ms = marks.get(DUE_HEADER)
+        headers.pop("eta", None)
+        headers[FROM_KAFKA] = {"eta": iso_of(due_ms), "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
+                               "produced": record.timestamp()[1], "read": read_ms, "handed": int(time.time() * 1000)}
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
                           properties=envelope.properties, accept=self.accept, channel=None,
@@ -485,12 +498,16 @@ class _Unrunnable(Exception):
         self.traceback = traceback
 
 
-def _claimed_ms(record: Any) -> int | None:
-    """When the poller claimed a record's task (its :data:`.kafka.CLAIMED_HEADER`), if it says."""
+def _record_headers(record: Any) -> dict[str, int]:
+    """The poller's ms-valued record headers (:data:`.kafka.DUE_HEADER`, :data:`.kafka.CLAIMED_HEADER`)."""
+    found = {}
     for name, value in record.headers() or ():
-        if name == CLAIMED_HEADER:
-            return int(value)
-    return None
+        if name in (DUE_HEADER, CLAIMED_HEADER):
+            try:
+                found[name] = int(value)
+            except (TypeError, ValueError):  # not ours after all: timing is information only
+                pass
+    return found
 
 
 def _attempt(headers: dict) -> int:

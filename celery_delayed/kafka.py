@@ -11,8 +11,9 @@ from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
-#: Record header the poller sets: when it claimed the task (ms, Redis clock), for per-hop timing.
-CLAIMED_HEADER = "x-delayed-claimed"
+#: Record headers the poller sets: when the task was due (ms; the store keeps no ``eta`` header,
+#: the worker restores it from this) and when the poller claimed it (ms, for per-hop timing).
+DUE_HEADER, CLAIMED_HEADER = "x-delayed-due", "x-delayed-claimed"
 
 
 def make_producer(settings: Settings) -> Producer:

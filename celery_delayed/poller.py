@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import EnvelopeError, decode_meta
-from .kafka import CLAIMED_HEADER, ensure_topics, make_producer
+from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, Fenced
@@ -159,9 +159,10 @@ class Poller:
                 break
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
-            claimed = [(CLAIMED_HEADER, str(claim.now_ms))]
+            claimed = (CLAIMED_HEADER, str(claim.now_ms))
             for task_id, due_ms, data in claim.items:
-                produced += self._produce(partition, task_id, claim.stamp, due_ms, data, claimed)
+                produced += self._produce(partition, task_id, claim.stamp, due_ms, data,
+                                          [(DUE_HEADER, str(due_ms)), claimed])
             full = len(claim.items) >= budget
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)

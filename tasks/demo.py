@@ -47,6 +47,13 @@ def work(self, run: str, seconds: float = 0.0) -> str:
     return self.request.id
 
 
+@shared_task(name="tasks.demo.eta_seen", bind=True)
+def eta_seen(self) -> str | None:
+    """The ETA the task sees in its request (Celery's ISO string), as task code reading it would."""
+    eta = self.request.eta
+    return eta.isoformat() if isinstance(eta, datetime) else eta
+
+
 @shared_task(name="tasks.demo.crash_once", bind=True)
 def crash_once(self, run: str) -> str:
     """Kill the process running it on its first execution (as the OOM killer would)."""

@@ -3,6 +3,7 @@ apply_async(countdown) -> Redis ZSET -> poller (etcd leader) -> Kafka topic -> s
 from __future__ import annotations
 
 import os
+from datetime import datetime, timedelta, timezone
 
 import redis
 from confluent_kafka import Consumer
@@ -79,3 +80,14 @@ def test_short_countdown_takes_the_normal_path(overrides, processes):
     result = app.tasks["tasks.demo.add"].apply_async((3, 4), countdown=1)
     assert store.get(result.id) is None
     assert result.get(timeout=60) == 7
+
+
+def test_a_task_run_from_kafka_sees_the_eta_it_was_scheduled_with(overrides, processes):
+    """``self.request.eta`` inside the task is its scheduled ETA (task code reads it for lateness
+    and deadlines), though Celery's own ETA timer never held it on the worker."""
+    app = create_app(**overrides)
+    eta = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(seconds=2)
+    result = app.tasks["tasks.demo.eta_seen"].apply_async(eta=eta)
+    processes.poller()
+    processes.worker("w1")
+    assert datetime.fromisoformat(result.get(timeout=60)) == eta

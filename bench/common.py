@@ -1,6 +1,8 @@
 """Shared benchmark helpers: isolated settings, poller processes, cleanup, statistics, plots."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import shutil
@@ -10,7 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -119,6 +121,23 @@ def _kafka_version() -> str:
     libs = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services")) / "kafka" / "libs"
     jar = next(libs.glob("kafka-server-[0-9]*.jar"))
     return jar.name[len("kafka-server-"):-len(".jar")]
+
+
+@contextlib.contextmanager
+def exclusive(name: str) -> Iterator[None]:
+    """Hold the benchmarks' lock file while one runs: two at once would share the CPU and both
+    be wrong.  A lock, not a process search, so ``timeout``/shell parents never count as one."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / ".running", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise SystemExit(f"another benchmark is running ({lock.read().strip() or '?'}); wait for it to end")
+        lock.truncate(0)
+        lock.write(f"{name}, pid {os.getpid()}")
+        lock.flush()
+        yield
 
 
 def cpu_hog(seconds: float) -> subprocess.Popen:

@@ -39,7 +39,7 @@ from celery_delayed.kafka import ensure_topics
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, partition_of
 
-from .common import (RESULTS, CpuMeter, Processes, RedisMeter, cleanup, high_watermark, make_consumer,
+from .common import (RESULTS, CpuMeter, Processes, RedisMeter, cleanup, exclusive, high_watermark, make_consumer,
                      new_overrides, plot_lags, profile_top, service_pids, settings_of, start_py_spy, stop_py_spy,
                      summary, topic_partitions)
 
@@ -542,4 +542,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with exclusive("bench.dispatch"):
+        sys.exit(main())

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.common import RESULTS, cleanup, cpu_hog, new_overrides, plot_lags, settings_of, summary, versions
+from bench.common import RESULTS, cleanup, cpu_hog, exclusive, new_overrides, plot_lags, settings_of, summary, versions
 from tasks import create_app
 from tests.integration.support import Processes, wait_for
 
@@ -207,4 +207,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with exclusive("bench.e2e"):
+        raise SystemExit(main())

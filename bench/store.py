@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import subprocess
 import sys
 import time
 import uuid
@@ -37,7 +36,7 @@ from rich.table import Table
 from celery_delayed.envelope import Envelope, deflate
 from celery_delayed.store import DelayedStore
 
-from .common import RESULTS, new_overrides, settings_of, unlink_prefix
+from .common import RESULTS, exclusive, new_overrides, settings_of, unlink_prefix
 from .dispatch import capture_template, envelope_bytes, git_state
 
 console = Console(width=None if Console().is_terminal else 150)
@@ -48,13 +47,6 @@ ENCODE_CHUNK = 50_000
 SAMPLE_EVERY = 100_000
 GOAL_SECONDS_10M = 180
 GOAL_BEYOND_BODY = 200
-
-
-def other_benchmarks() -> list[str]:
-    """Command lines of other running ``bench.*`` processes (never run two at once: they share the CPU)."""
-    found = subprocess.run(["pgrep", "-af", r"bench\."], capture_output=True, text=True).stdout.splitlines()
-    mine = {str(os.getpid()), str(os.getppid())}
-    return [line for line in found if line.split(" ", 1)[0] not in mine and "pgrep" not in line]
 
 
 # -- messages ----------------------------------------------------------------------
@@ -205,10 +197,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    others = other_benchmarks()
-    if others:
-        console.print("[red]another benchmark is running; wait for it to end:[/]\n" + "\n".join(others))
-        return 2
+    with exclusive("bench.store"):
+        return run(opts)
+
+
+def run(opts: argparse.Namespace) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     RESULTS.mkdir(parents=True, exist_ok=True)
     context: dict[str, Any] = {"git": git_state(), "loadavg_start": os.getloadavg(), "argv": sys.argv}

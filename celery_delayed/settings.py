@@ -35,7 +35,7 @@ class Settings:
     kafka_servers: str = "127.0.0.1:9092"
     #: Extra confluent-kafka settings for producer, consumer and admin (SASL/SSL...).
     kafka_config: Mapping[str, Any] = field(default_factory=dict)
-    #: etcd endpoints, ``http(s)://host:port[,...]``.
+    #: etcd endpoints, ``[http(s)://]host:port[,...]`` (http when no scheme is given, as etcdctl reads them).
     etcd_endpoints: str = "http://127.0.0.1:2379"
     etcd_user: str | None = None
     etcd_password: str | None = None
@@ -147,13 +147,13 @@ class Settings:
         for url in self.etcd_urls:
             parts = urlsplit(url)
             _require(parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None,
-                     "etcd_endpoints", f"must be http(s)://host:port[,...], got {redact_url(url)!r}")
+                     "etcd_endpoints", f"must be [http(s)://]host:port[,...], got {redact_url(url)!r}")
         _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
                  "must not set bootstrap.servers (use delayed_kafka_servers)")
 
     @property
     def etcd_urls(self) -> list[str]:
-        return [u.strip() for u in self.etcd_endpoints.split(",") if u.strip()]
+        return [u if "://" in u else f"http://{u}" for u in (u.strip() for u in self.etcd_endpoints.split(",")) if u]
 
     def topic(self, queue: str) -> str:
         """The Kafka topic that carries due tasks of a Celery queue."""

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from celery import Celery
 
@@ -28,7 +30,8 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
     ("run_lease", 1, "delayed_run_lease must be >= 3"),
     ("redis_url", "http://x", "delayed_redis_url must be a redis://"),
     ("kafka_servers", "nohostport", "delayed_kafka_servers must be host:port"),
-    ("etcd_endpoints", "127.0.0.1:2379", "delayed_etcd_endpoints must be http(s)://"),
+    ("etcd_endpoints", "ftp://127.0.0.1:2379", "delayed_etcd_endpoints must be [http(s)://]host:port"),
+    ("etcd_endpoints", "127.0.0.1", "delayed_etcd_endpoints must be [http(s)://]host:port"),
     ("key_prefix", "a:b", "delayed_key_prefix must be non-empty"),
     ("topic_prefix", "bad topic", "delayed_topic_prefix may hold only"),
     ("kafka_config", "sasl", "delayed_kafka_config must be Mapping"),
@@ -36,7 +39,7 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
     ("claim_batch", 100000, "delayed_claim_batch must be between"),
 ])
 def test_bad_values_name_the_setting(name, value, words):
-    with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigurationError, match=re.escape(words)):
         Settings.from_mapping({name: value})
 
 
@@ -95,3 +98,8 @@ def test_redis_cluster_is_a_bool_off_by_default_and_needs_a_network_url_of_db_0(
     with pytest.raises(ConfigurationError) as refused:
         Settings.from_mapping({"redis_cluster": True, "redis_url": "redis://:s3cret@node1:7001/2"})
     assert "s3cret" not in str(refused.value)
+
+
+def test_etcd_endpoints_without_a_scheme_are_http_as_for_etcdctl():
+    s = Settings.from_mapping({"etcd_endpoints": "127.0.0.1:2379, https://etcd2:2379,etcd3:2381"})
+    assert s.etcd_urls == ["http://127.0.0.1:2379", "https://etcd2:2379", "http://etcd3:2381"]

@@ -131,7 +131,7 @@ def test_one_long_task_does_not_stop_the_intake_of_the_short_ones_behind_it(over
     wait_for(lambda: all(r.ready() for r in short), 20, "the 12 short tasks to finish beside the long one")
     print(f"\nshort tasks behind a 40 s task: all 12 done {time.monotonic() - started:.1f} s after it started")
     assert not long.ready()
-    assert committed(app) == 0, "committed past the long task that still runs"
+    assert committed(app) <= 0, "committed past the long task that still runs"  # 0, or nothing yet (-1001)
 
 
 def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):

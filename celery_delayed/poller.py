@@ -152,7 +152,7 @@ class Poller:
                 self.stats["fenced"] += 1
                 metrics.FENCE_REJECTIONS.inc()
                 logger.warning("%s: stop dispatching it", exc)
-                self.leadership.lose(partition)
+                self._fenced(partition, token)
                 continue
             except STORE_ERRORS as exc:  # down, read-only after a failover, out of memory...
                 logger.warning("claim of partition %d failed: %s", partition, exc)
@@ -167,6 +167,13 @@ class Poller:
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
+
+    def _fenced(self, partition: int, token: int) -> None:
+        """Hand a refused claim to the leadership, with the store's fences (see :meth:`Leadership.fenced`)."""
+        try:
+            self.leadership.fenced(partition, token, self.store.fences())
+        except Exception as exc:  # Redis or etcd away: the partition stays forgotten until the next step
+            logger.warning("partition %d: cannot settle the refused claim now (%s)", partition, exc)
 
     def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
                  headers: list[tuple[str, str]] | None = None) -> int:

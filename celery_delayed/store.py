@@ -388,6 +388,13 @@ class DelayedStore:
         seconds, micros = self._call_redis(self.redis.time)
         return seconds * 1000 + micros // 1000
 
+    def fences(self) -> list[int]:
+        """Per partition, the highest fencing token that has claimed it (0 = none yet)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            pipe.get(self.key(p, "fence"))
+        return [int(fence or 0) for fence in self.execute(pipe)]
+
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
         """Move up to ``limit`` due tasks of ``partition`` to inflight and return them."""

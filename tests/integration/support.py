@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,6 +158,12 @@ class Servers:
     def start(self, name: str) -> None:
         subprocess.run([str(ROOT / "scripts" / "services"), "up", name], check=True, capture_output=True)
         self.stopped.remove(name)
+
+    def wipe(self, name: str) -> None:
+        """Stop a server, delete its data directory, start it again: a server recreated without a volume."""
+        self.stop(name)
+        shutil.rmtree(self.run_dir.parent / name)
+        self.start(name)
 
     def restore(self) -> None:
         for name in list(self.stopped):

@@ -60,15 +60,19 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
              "the store to be empty")
 
 
-def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
+def leading_one_partition(overrides: dict) -> tuple[Settings, DelayedStore, Leadership, int, Poller]:
+    """One partition holding a due task, led by an in-process poller (not running): settings, store,
+    the leader, its token and its poller."""
     settings = settings_for(overrides, partitions=1)
     store = DelayedStore(settings)
-    queue = overrides["task_default_queue"]
-    store.schedule_many(envelopes(1, queue, now_ms() - 1000))
+    store.schedule_many(envelopes(1, overrides["task_default_queue"], now_ms() - 1000))
+    leader = Leadership(settings)
+    (token,) = leader.step().values()
+    return settings, store, leader, token, Poller(settings, store=store, leadership=leader)
 
-    old = Leadership(settings)
-    (old_token,) = old.step().values()
-    poller = Poller(settings, store=store, leadership=old)
+
+def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
+    settings, store, old, old_token, poller = leading_one_partition(overrides)
     make_etcd(settings).revoke_lease(old._lease.id)  # as if it was paused past its TTL
     new = Leadership(settings)
     (new_token,) = new.step().values()

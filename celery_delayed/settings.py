@@ -87,6 +87,10 @@ class Settings:
     #: duplicate delivery is acknowledged without running even when the task's
     #: result is ignored or not stored (0 = rely on the result backend alone).
     done_ttl: float = 3600.0
+    #: Start pollers and workers even though the store's Redis may evict keys when
+    #: full (a ``maxmemory-policy`` other than ``noeviction``), silently dropping
+    #: scheduled tasks.  Off: they refuse to start with an error naming the policy.
+    allow_eviction: bool = False
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":

@@ -10,6 +10,8 @@ Redis Cluster slot):
 - ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms), also the claim's stamp
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
 - ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
+- ``<prefix>:layout``        what every process must agree on: partitions, bucket
+  width, format version (:meth:`DelayedStore.check_layout`)
 
 Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
 list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
@@ -40,7 +42,7 @@ import redis
 
 from .envelope import Envelope
 from .redis_client import UNREACHABLE, Script, connect, execute
-from .settings import Settings, redact_url
+from .settings import ConfigurationError, Settings, redact_url
 
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
 #: when due times are spread out), so a call stalls other clients ~2 ms at most
@@ -55,6 +57,8 @@ MAX_PAGE = 10_000
 #: Width of the time buckets (see the module docstring).  Part of the stored
 #: layout: every process of a deployment must use the same value.
 BUCKET_SECONDS = 10
+#: Version of the stored format (key names, message prefix, member encoding): part of the layout.
+LAYOUT_FORMAT = 1
 #: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
 _BUCKET = struct.Struct(">I")
 #: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
@@ -72,6 +76,10 @@ class StoreUnavailable(RuntimeError):
 #: What a call to the store's Redis raises when it should simply be tried again later:
 #: unreachable (standalone or cluster), read-only after a failover, out of memory...
 STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
+
+
+class LayoutMismatch(ConfigurationError):
+    """The store's Redis was laid out with other settings than this process's: it must not touch it."""
 
 
 class Fenced(RuntimeError):
@@ -171,6 +179,7 @@ class DelayedStore:
         except UNREACHABLE as exc:  # a cluster client reads the slot map at once
             raise StoreUnavailable(self._unavailable(exc)) from exc
         self.wake_channel = f"{settings.key_prefix}:wake"
+        self._layout_checked = False
         self._scripts = {name: Script(self.redis, self.lua_source(name))
                          for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
                                       "counts")}
@@ -424,6 +433,40 @@ class DelayedStore:
         return self._call("nack", self._keys(partition),
                           [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(claimed)])
 
+    # -- layout --------------------------------------------------------------
+    def layout(self) -> dict[str, int]:
+        """What decides where a task is stored: this process's partitions, bucket width and format."""
+        return {"partitions": self.settings.partitions, "bucket_seconds": BUCKET_SECONDS, "format": LAYOUT_FORMAT}
+
+    def check_layout(self) -> bool:
+        """Record this process's layout in ``<prefix>:layout`` if the store has none, else compare.
+
+        Done once per store object, before its first Redis call (or at start by
+        the poller, workers and CLI): ``partition_of`` depends on the partition
+        count, so a process with another one would strand tasks or miss them in
+        cancel, reschedule and dedup.  Returns True when this call recorded the
+        layout, i.e. nothing was stored under this key prefix before.
+        Raises :class:`LayoutMismatch`, naming both values, on a difference.
+        """
+        mine = {k: str(v) for k, v in self.layout().items()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.layout_key, " ".join(f"{k}={v}" for k, v in mine.items()), nx=True)
+        pipe.get(self.layout_key)
+        created, stored = self._unchecked(execute, self.redis, pipe)
+        differences = [f"{'delayed_' if k == 'partitions' else ''}{k}={v} (this process: {mine.get(k)})"
+                       for k, v in (item.split("=", 1) for item in stored.decode().split()) if mine.get(k) != v]
+        if differences:
+            raise LayoutMismatch(
+                f"the delayed store {self.layout_key} at {redact_url(self.settings.redis_url)} was laid out with "
+                f"{', '.join(differences)}: use the stored value, or drain the store with it and then change it "
+                "(README: Changing the store layout)")
+        self._layout_checked = True
+        return bool(created)
+
+    @property
+    def layout_key(self) -> str:
+        return f"{self.settings.key_prefix}:layout"
+
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
         return self._call_redis(self._scripts[name], keys=keys, args=args)
@@ -433,7 +476,13 @@ class DelayedStore:
         return self._call_redis(execute, self.redis, pipe)
 
     def _call_redis(self, command: Callable, *args, **kwargs):
-        """``command(*args, **kwargs)``, an unreachable store raised as :class:`StoreUnavailable`."""
+        """``command(*args, **kwargs)``, once the layout is checked; an unreachable store raised as
+        :class:`StoreUnavailable`."""
+        if not self._layout_checked:
+            self.check_layout()
+        return self._unchecked(command, *args, **kwargs)
+
+    def _unchecked(self, command: Callable, *args, **kwargs):
         try:
             return command(*args, **kwargs)
         except UNREACHABLE as exc:

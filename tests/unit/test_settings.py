@@ -103,3 +103,8 @@ def test_redis_cluster_is_a_bool_off_by_default_and_needs_a_network_url_of_db_0(
 def test_etcd_endpoints_without_a_scheme_are_http_as_for_etcdctl():
     s = Settings.from_mapping({"etcd_endpoints": "127.0.0.1:2379, https://etcd2:2379,etcd3:2381"})
     assert s.etcd_urls == ["http://127.0.0.1:2379", "https://etcd2:2379", "http://etcd3:2381"]
+
+
+def test_allow_eviction_is_off_by_default():
+    assert Settings().allow_eviction is False
+    assert Settings.from_mapping({"allow_eviction": "true"}).allow_eviction is True

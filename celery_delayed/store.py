@@ -73,6 +73,14 @@ class StoreUnavailable(RuntimeError):
     """
 
 
+class StoreNotDurable(StoreUnavailable):
+    """A schedule write was not confirmed durable in time (``delayed_schedule_wait``).
+
+    It is stored on the primary, but may be lost if the primary fails now;
+    scheduling the same tasks again is safe (stored ids are kept).
+    """
+
+
 #: What a call to the store's Redis raises when it should simply be tried again later:
 #: unreachable (standalone or cluster), read-only after a failover, out of memory...
 STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
@@ -180,6 +188,7 @@ class DelayedStore:
             raise StoreUnavailable(self._unavailable(exc)) from exc
         self.wake_channel = f"{settings.key_prefix}:wake"
         self._layout_checked = False
+        self._waitaof_checked = False
         self._scripts = {name: Script(self.redis, self.lua_source(name))
                          for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
                                       "counts")}
@@ -207,7 +216,7 @@ class DelayedStore:
         A copy already in flight is always replaced; one still scheduled only
         when ``replace`` (a newer attempt of the task: a retry).
         """
-        added, replaced, _ = self._schedule_replies(self.execute(next(self._schedule_pipelines(
+        added, replaced, _ = self._schedule_replies(self._send(next(self._schedule_pipelines(
             [(task_id, due_ms, data)], replace))[0]))
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
@@ -233,12 +242,12 @@ class DelayedStore:
         """
         pipelines = self._schedule_pipelines(items, replace)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
-            return sum(self._stored(self.execute(pipe), size, progress) for pipe, size in pipelines)
+            return sum(self._stored(self._send(pipe), size, progress) for pipe, size in pipelines)
         added = 0
         with ThreadPoolExecutor(SENDERS, thread_name_prefix="delayed-schedule") as sender:
             sending: deque[tuple[Future, int]] = deque()
             for pipe, size in pipelines:
-                sending.append((sender.submit(self.execute, pipe), size))
+                sending.append((sender.submit(self._send, pipe), size))
                 if len(sending) > SENDERS:
                     added += self._stored(sending[0][0].result(), sending.popleft()[1], progress)
             for future, size in sending:
@@ -266,8 +275,47 @@ class DelayedStore:
                                                     "replace" if replace else "keep",
                                                     *flat[start:start + SCHEDULE_CHUNK * 3]],
                                               client=pipe)
+            self._wait_durable(pipe)
             done += len(batch)
             yield pipe, len(batch)
+
+    def _wait_durable(self, pipe: redis.client.Pipeline) -> None:
+        """End a schedule pipeline with ``WAIT``/``WAITAOF`` when ``delayed_schedule_wait`` asks for it:
+        on the pipeline's own connection, as both count that connection's writes."""
+        policy = self.settings.wait_policy
+        if policy is None:
+            return
+        if policy.aof:
+            self._require_waitaof()
+            pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
+        else:
+            pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
+
+    def _require_waitaof(self) -> None:
+        """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
+        if self._waitaof_checked:
+            return
+        version = self._call_redis(self.redis.info, "server")["redis_version"]
+        if tuple(map(int, version.split(".")[:2])) < (7, 2):
+            raise ConfigurationError(f"delayed_schedule_wait={self.settings.schedule_wait!r} needs WAITAOF, new in "
+                                     f"Redis 7.2; the store's Redis is {version} (use replicas=N with WAIT instead)")
+        self._waitaof_checked = True
+
+    def _send(self, pipe: redis.client.Pipeline) -> list:
+        """Run a schedule pipeline; with ``delayed_schedule_wait``, check and drop its last reply (the wait's)."""
+        replies = self.execute(pipe)
+        policy = self.settings.wait_policy
+        if policy is None:
+            return replies
+        acked = replies.pop()
+        local, replicas = acked if policy.aof else (1, acked)
+        if not local or replicas < policy.replicas:
+            raise StoreNotDurable(
+                f"schedule write not durable within {policy.timeout_ms} ms (delayed_schedule_wait="
+                f"{self.settings.schedule_wait!r}): {replicas} of {policy.replicas} replicas acknowledged it"
+                f"{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
+                "fails now (scheduling them again is safe)")
+        return replies
 
     @classmethod
     def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:

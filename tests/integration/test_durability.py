@@ -1,7 +1,8 @@
-"""Durability made explicit, on the real Redis: no evicting store."""
+"""Durability made explicit, on the real Redis: no evicting store, schedule writes that wait for replicas."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
@@ -12,10 +13,10 @@ import redis
 from celery_delayed.durability import preflight, worker_preflight
 from celery_delayed.poller import Poller
 from celery_delayed.settings import ConfigurationError
-from celery_delayed.store import DelayedStore
+from celery_delayed.store import DelayedStore, StoreNotDurable
 
-from .support import run_briefly
-from .test_poller import settings_for
+from .support import envelopes, run_briefly
+from .test_poller import now_ms, settings_for
 
 
 @contextmanager
@@ -58,3 +59,33 @@ def test_a_redis_that_refuses_config_get_is_logged_as_unchecked(overrides, caplo
     finally:
         admin.acl_deluser(user)
     assert any("could not check the store's maxmemory-policy" in r.getMessage() for r in caplog.records)
+
+
+def test_schedule_wait_for_no_replica_returns_at_once(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=0,timeout=5"))
+    started = time.monotonic()
+    assert store.schedule_many(envelopes(10, "q", now_ms() + 60_000)) == 10
+    assert time.monotonic() - started < 2
+
+
+def test_schedule_wait_for_a_missing_replica_fails_after_its_timeout(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=1,timeout=0.3"))
+    assert store.redis.info("replication")["connected_slaves"] == 0
+    started = time.monotonic()
+    with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 0 of 1 replicas acknowledged it"):
+        store.schedule_many(envelopes(10, "q", now_ms() + 60_000))
+    took = time.monotonic() - started
+    assert 0.25 <= took < 5, took
+    assert store.get("task-0")["state"] == "scheduled"  # on the primary all the same, as the error says
+    with pytest.raises(StoreNotDurable):  # also one task, as apply_async stores it
+        store.schedule_many(envelopes(1, "q", now_ms() + 60_000, prefix="one"))
+
+
+def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="aof"))
+    version = store.redis.info("server")["redis_version"]
+    if tuple(map(int, version.split(".")[:2])) >= (7, 2):
+        pytest.skip(f"Redis {version} has WAITAOF: the refusal on older ones cannot be shown here")
+    with pytest.raises(ConfigurationError, match=rf"needs WAITAOF, new in Redis 7.2; the store's Redis is {version}"):
+        store.schedule_many(envelopes(1, "q", now_ms() + 60_000))
+    assert store.get("task-0") is None  # refused before anything was written

@@ -161,7 +161,8 @@ def test_kafka_outage_loses_nothing_and_dispatch_resumes(overrides, processes, s
 
 
 def test_undecodable_stored_message_goes_to_the_dead_letter_queue(overrides, processes):
-    settings = settings_for(overrides, partitions=1)
+    overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
+    settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -220,7 +221,8 @@ def test_poller_metrics_endpoint(overrides, processes):
 
 
 def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processes):
-    settings = settings_for(overrides, partitions=1)
+    overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
+    settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     topic = settings.topic(queue)

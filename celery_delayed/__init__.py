@@ -21,12 +21,12 @@ from .failures import park_failures
 from .once import remember_finished
 from .revoke import DelayedControl
 from .settings import ConfigurationError, Settings
-from .store import DelayedStore, StoreUnavailable, TaskInFlight, TaskNotScheduled
+from .store import DelayedStore, LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight, TaskNotScheduled
 
 __version__ = "0.1.0"
 
 __all__ = ["install", "store_of", "Settings", "ConfigurationError", "DelayedStore", "StoreUnavailable",
-           "TaskNotScheduled", "TaskInFlight", "DelayedControl",
+           "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight", "DelayedControl",
            "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
 
 

@@ -37,10 +37,13 @@ def delayed(ctx: click.Context) -> None:
     """celery-delayed: scheduled tasks in Redis, dispatched through Kafka."""
 
 
-def _load(ctx: click.Context) -> tuple[Settings, DelayedStore]:
-    """The app's validated settings and its store; a bad setting is a one-line error, not a traceback."""
+def _load(ctx: click.Context, check: bool = True) -> tuple[Settings, DelayedStore]:
+    """The app's validated settings and its store, whose layout is checked unless ``check`` is off;
+    a bad setting or layout is a one-line error, not a traceback."""
     try:
         store = store_of(ctx.obj.app)
+        if check:
+            store.check_layout()
         return store.settings, store
     except (ConfigurationError, StoreUnavailable) as exc:  # a cluster client connects here
         raise click.ClickException(str(exc)) from None
@@ -54,7 +57,7 @@ def _load(ctx: click.Context) -> tuple[Settings, DelayedStore]:
 def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     """Run a poller: lead partitions through etcd, move due tasks to Kafka."""
     logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
-    settings, store = _load(ctx)
+    settings, store = _load(ctx, check=False)  # the poller checks the store itself, waiting for it while down
     port = settings.metrics_port if metrics_port is None else metrics_port
     if port:
         prometheus_client.start_http_server(port, addr="127.0.0.1")
@@ -66,7 +69,10 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    the_poller.run()
+    try:
+        the_poller.run()
+    except ConfigurationError as exc:  # the store's layout or memory policy: raised before anything runs
+        raise click.ClickException(str(exc)) from None
 
 
 @delayed.command(cls=CeleryCommand)

@@ -30,6 +30,7 @@ from kombu.serialization import prepare_accept_content
 
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
+from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
@@ -134,6 +135,7 @@ class KafkaFeed:
         if not (conf.task_acks_late and conf.task_reject_on_worker_lost):
             logger.warning("task_acks_late and task_reject_on_worker_lost are not both on: a task is "
                            "acknowledged when it starts, so a worker killed mid-task loses it")
+        worker_preflight(self.store)
         ensure_topics(self.settings, self.queues)
         self._consumer = Consumer(self.settings.kafka(**{
             "group.id": self.settings.consumer_group,

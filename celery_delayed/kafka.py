@@ -40,8 +40,8 @@ def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30
     if not missing:
         return
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=settings.topic_partitions, replication_factor=settings.topic_replication)
-         for t in missing], operation_timeout=timeout, request_timeout=timeout)
+        [NewTopic(t, num_partitions=settings.topic_partitions, replication_factor=settings.topic_replication,
+                  config=topic_config(settings)) for t in missing], operation_timeout=timeout, request_timeout=timeout)
     for topic, future in futures.items():
         try:
             future.result()
@@ -49,6 +49,14 @@ def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
+
+
+def topic_config(settings: Settings) -> dict[str, str]:
+    """Config of a ready topic celery-delayed creates: with replicas, an acks=all write must reach two
+    of them (``min.insync.replicas``), so losing one broker cannot lose an acknowledged task."""
+    if settings.topic_replication < 2:
+        return {}
+    return {"min.insync.replicas": "2"}
 
 
 def consumer_lag(settings: Settings, timeout: float = 5.0) -> dict[str, int]:

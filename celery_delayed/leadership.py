@@ -8,6 +8,17 @@ script can refuse an older leader.  A poller takes at most ``ceil(P / N)``
 partitions (N = live pollers) and gives back extras when others join.  When the
 lease cannot be refreshed in time, every partition is dropped at once: the keys
 expire in etcd and a standby takes them over.
+
+Revisions only grow while etcd keeps its data.  An etcd recreated empty or
+restored from an old backup starts again below the tokens the store has seen,
+and its cluster id does not tell (a single member with the same name, peer URL
+and cluster token gets the same id again).  So a token is ordered by
+``(epoch, revision)``: the epoch is a counter kept in etcd at
+``/<prefix>/epoch`` (0 while absent).  A claim refused with a fence higher than
+any token etcd can issue now (its epoch, its current revision) proves etcd lost
+history: a poller then starts the epoch after every fence in the store, and
+dispatch resumes.  A paused ex-leader still holds a token of the old epoch, or
+of the same epoch and an older revision, and stays refused.
 """
 from __future__ import annotations
 
@@ -27,6 +38,24 @@ from .settings import Settings
 from .store import partition_of
 
 logger = logging.getLogger(__name__)
+
+#: A fencing token is ``epoch * EPOCH_SCALE + revision``: one integer, ordered by
+#: (epoch, revision), that the claim script compares as it always did (a token of
+#: epoch 0 is the bare revision) and that stays exact in Lua's doubles (< 2**53).
+EPOCH_SCALE = 10**13
+MAX_EPOCH = 2**53 // EPOCH_SCALE - 1
+
+
+def token_of(epoch: int, revision: int) -> int:
+    """The fencing token of a leader key created at ``revision`` during ``epoch``."""
+    if not (0 <= epoch <= MAX_EPOCH and 0 <= revision < EPOCH_SCALE):
+        raise OverflowError(f"fencing epoch {epoch} / etcd revision {revision} out of range")
+    return epoch * EPOCH_SCALE + revision
+
+
+def describe_token(token: int) -> str:
+    """``epoch E revision R`` of a token, for log lines."""
+    return f"epoch {token // EPOCH_SCALE} revision {token % EPOCH_SCALE}"
 
 
 def make_etcd(settings: Settings, timeout: float = 2.0) -> MultiEndpointEtcd3Client:
@@ -52,6 +81,7 @@ class Leadership:
         self.etcd = etcd or make_etcd(settings)
         self.id = poller_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._root = f"/{settings.key_prefix}"
+        self._epoch_key = f"{self._root}/epoch"
         self._lease: pyetcd.Lease | None = None
         self._owned: dict[int, int] = {}
         self._valid_until = 0.0
@@ -81,7 +111,7 @@ class Leadership:
                 self._refresh()
                 live = len(list(self.etcd.get_prefix(f"{self._root}/pollers/", keys_only=True)))
                 share = math.ceil(self.settings.partitions / max(live, 1))
-                owned = self._reconcile(share)
+                owned = self._reconcile(share, self._read_epoch()[0])
             except Exception as exc:  # etcd down or lease lost: lead nothing until proven again
                 logger.warning("poller %s cannot prove leadership (%s): dispatching nothing", self.id, exc)
                 with self._lock:
@@ -95,10 +125,33 @@ class Leadership:
                 self._valid_until = started + self.settings.lease_ttl * 2 / 3
             return dict(owned)
 
-    def lose(self, partition: int) -> None:
-        """Forget a partition at once (its claim was fenced by a newer leader)."""
+    def fenced(self, partition: int, token: int, fences: list[int]) -> None:
+        """A claim of ``partition`` with ``token`` was refused; ``fences`` are the store's fences.
+
+        The partition is forgotten at once.  Then, by what etcd says now: if the
+        fence is above any token etcd can issue, etcd lost its history and a new
+        epoch starts (the partition comes back with the next step); if another
+        poller already started a newer epoch than the token's, the next step
+        brings the new token; otherwise a newer leader exists and this poller
+        deletes its leader key, if it still holds it, so that a standby can lead.
+        """
         with self._lock:
             self._owned.pop(partition, None)
+        with self._stepping:
+            if self._closed:
+                return
+            epoch, epoch_revision, revision = self._read_epoch()
+            fence = fences[partition]
+            if fence > token_of(epoch, revision):
+                self._new_epoch(epoch, epoch_revision, max(fences) // EPOCH_SCALE + 1, partition, fence, revision)
+            elif token // EPOCH_SCALE < epoch:
+                logger.info("poller %s: partition %d refused a token of fencing epoch %d; etcd is at epoch %d "
+                            "now: leading it with a token of that epoch from the next step", self.id, partition,
+                            token // EPOCH_SCALE, epoch)
+            else:
+                logger.warning("poller %s: partition %d has a newer leader (fence %s, our token %s): resigning "
+                               "it", self.id, partition, describe_token(fence), describe_token(token))
+                self._delete_if_mine(partition, token % EPOCH_SCALE)
 
     def release(self) -> None:
         """Give every partition back now (clean shutdown: no standby waits for the TTL).
@@ -129,13 +182,34 @@ class Leadership:
         self._lease = self.etcd.lease(self.settings.lease_ttl)
         self.etcd.put(f"{self._root}/pollers/{self.id}", self.id, lease=self._lease)
 
-    def _reconcile(self, share: int) -> dict[int, int]:
+    def _read_epoch(self) -> tuple[int, int, int]:
+        """etcd's fencing epoch, the mod revision of its key (0 when absent) and etcd's current revision."""
+        reply = self.etcd.get_response(self._epoch_key)
+        if not reply.kvs:
+            return 0, 0, reply.header.revision
+        return int(reply.kvs[0].value), reply.kvs[0].mod_revision, reply.header.revision
+
+    def _new_epoch(self, epoch: int, epoch_revision: int, new: int, partition: int, fence: int,
+                   revision: int) -> None:
+        """Replace epoch ``epoch`` (its key last written at ``epoch_revision``) by ``new``, unless
+        another poller changed it first; the key has no lease: it lives as long as etcd's data."""
+        token_of(new, 0)  # an epoch past MAX_EPOCH raises here
+        tx = self.etcd.transactions
+        unchanged = tx.mod(self._epoch_key) == epoch_revision if epoch_revision else tx.version(self._epoch_key) == 0
+        ok, _ = self.etcd.transaction(compare=[unchanged], success=[tx.put(self._epoch_key, str(new))], failure=[])
+        if ok:
+            logger.warning("poller %s: partition %d was last claimed with fencing token %s, but etcd is at "
+                           "epoch %d revision %d: etcd lost its data or was restored from a backup; started "
+                           "fencing epoch %d, dispatch resumes", self.id, partition, describe_token(fence), epoch,
+                           revision, new)
+
+    def _reconcile(self, share: int, epoch: int) -> dict[int, int]:
         owned = {}
         leaders = {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta.create_revision)
                    for value, meta in self.etcd.get_prefix(f"{self._root}/leader/")}
         for p, (holder, revision) in leaders.items():
             if holder == self.id and p < self.settings.partitions:
-                owned[p] = revision
+                owned[p] = token_of(epoch, revision)
         for p in sorted(owned)[share:]:  # give back extras
             self._delete_if_mine(p)
             owned.pop(p)
@@ -145,9 +219,9 @@ class Leadership:
         for p in free[offset:] + free[:offset]:
             if len(owned) >= share:
                 break
-            token = self._acquire(p)
-            if token:
-                owned[p] = token
+            revision = self._acquire(p)
+            if revision:
+                owned[p] = token_of(epoch, revision)
         return owned
 
     def _acquire(self, partition: int) -> int | None:
@@ -162,8 +236,10 @@ class Leadership:
         value, meta = self.etcd.get(key)
         return meta.create_revision if value == self.id.encode() else None
 
-    def _delete_if_mine(self, partition: int) -> None:
+    def _delete_if_mine(self, partition: int, revision: int | None = None) -> None:
+        """Delete a leader key this poller holds (only the one created at ``revision``, when given)."""
         key = self.leader_key(partition)
         tx = self.etcd.transactions
-        self.etcd.transaction(compare=[tx.value(key) == self.id], success=[tx.delete(key)], failure=[])
+        compare = [tx.value(key) == self.id] + ([tx.create(key) == revision] if revision is not None else [])
+        self.etcd.transaction(compare=compare, success=[tx.delete(key)], failure=[])
 

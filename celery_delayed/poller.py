@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
+from .durability import preflight
 from .envelope import EnvelopeError, decode_meta
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from .leadership import Leadership
@@ -96,7 +97,12 @@ class Poller:
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> None:
-        """Dispatch until :meth:`stop`; then hand the batch in hand to Kafka and resign."""
+        """Dispatch until :meth:`stop`; then hand the batch in hand to Kafka and resign.
+
+        Raises ConfigurationError at start when the store must not be used (:func:`preflight`).
+        """
+        if not self._preflight():
+            return
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
@@ -120,6 +126,17 @@ class Poller:
                 self.leadership.release()
             metrics.LEADING.clear()
             logger.info("poller %s stopped: %s", self.leadership.id, dict(self.stats))
+
+    def _preflight(self) -> bool:
+        """Check the store before leading anything, waiting for it while it is down; False if stopped meanwhile."""
+        while not self._stopping.is_set():
+            try:
+                preflight(self.store, "poller")
+                return True
+            except STORE_ERRORS as exc:
+                logger.warning("cannot check the delayed store (%s): waiting for it", exc)
+                self._stopping.wait(1.0)
+        return False
 
     def stop(self) -> None:
         self._stopping.set()
@@ -152,7 +169,7 @@ class Poller:
                 self.stats["fenced"] += 1
                 metrics.FENCE_REJECTIONS.inc()
                 logger.warning("%s: stop dispatching it", exc)
-                self.leadership.lose(partition)
+                self._fenced(partition, token)
                 continue
             except STORE_ERRORS as exc:  # down, read-only after a failover, out of memory...
                 logger.warning("claim of partition %d failed: %s", partition, exc)
@@ -167,6 +184,13 @@ class Poller:
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
+
+    def _fenced(self, partition: int, token: int) -> None:
+        """Hand a refused claim to the leadership, with the store's fences (see :meth:`Leadership.fenced`)."""
+        try:
+            self.leadership.fenced(partition, token, self.store.fences())
+        except Exception as exc:  # Redis or etcd away: the partition stays forgotten until the next step
+            logger.warning("partition %d: cannot settle the refused claim now (%s)", partition, exc)
 
     def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
                  headers: list[tuple[str, str]] | None = None) -> int:

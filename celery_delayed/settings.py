@@ -87,6 +87,17 @@ class Settings:
     #: duplicate delivery is acknowledged without running even when the task's
     #: result is ignored or not stored (0 = rely on the result backend alone).
     done_ttl: float = 3600.0
+    #: Start pollers and workers even though the store's Redis may evict keys when
+    #: full (a ``maxmemory-policy`` other than ``noeviction``), silently dropping
+    #: scheduled tasks.  Off: they refuse to start with an error naming the policy.
+    allow_eviction: bool = False
+    #: Make every schedule write wait until it is durable, or fail with
+    #: ``StoreNotDurable``: ``replicas=N`` (``WAIT``: N replicas have it), ``aof``
+    #: (``WAITAOF``: fsynced to the primary's AOF, Redis >= 7.2; with ``replicas=N``
+    #: also to N replicas' AOF), ``timeout=S`` (seconds, default 1), comma-separated,
+    #: e.g. ``"replicas=1,timeout=0.5"``.  Empty: off (a write is acknowledged once in
+    #: the primary's memory).  Standalone Redis only.
+    schedule_wait: str = ""
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -150,6 +161,25 @@ class Settings:
                      "etcd_endpoints", f"must be [http(s)://]host:port[,...], got {redact_url(url)!r}")
         _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
                  "must not set bootstrap.servers (use delayed_kafka_servers)")
+        _require(not (self.schedule_wait and self.redis_cluster), "schedule_wait",
+                 "is not supported on a Redis Cluster (WAIT acknowledges one node's writes)")
+        self.wait_policy  # raises on a bad schedule_wait
+
+    @property
+    def wait_policy(self) -> "WaitPolicy | None":
+        """``schedule_wait`` parsed, or None when off."""
+        if not self.schedule_wait:
+            return None
+        options = dict(item.strip().partition("=")[::2] for item in self.schedule_wait.split(","))
+        wanted = ("replicas" in options or options.get("aof") == "") and set(options) <= {"replicas", "aof", "timeout"}
+        try:
+            policy = WaitPolicy(replicas=int(options.get("replicas", "0")), aof="aof" in options,
+                                timeout_ms=round(float(options.get("timeout", "1")) * 1000))
+        except (ValueError, OverflowError):
+            wanted = False
+        _require(wanted and policy.replicas >= 0 and policy.timeout_ms > 0, "schedule_wait",
+                 f"must be replicas=N, aof or both, with an optional timeout=SECONDS, got {self.schedule_wait!r}")
+        return policy
 
     @property
     def etcd_urls(self) -> list[str]:
@@ -169,6 +199,15 @@ class Settings:
         shown["etcd_password"] = "***" if self.etcd_password else None
         shown["kafka_config"] = {k: ("***" if _SECRET.search(k) else v) for k, v in self.kafka_config.items()}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """What a schedule write waits for (``delayed_schedule_wait``)."""
+
+    replicas: int  # replicas that must acknowledge it (WAIT), or fsync it with ``aof``
+    aof: bool  # fsynced to the primary's AOF (WAITAOF)
+    timeout_ms: int
 
 
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}

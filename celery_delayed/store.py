@@ -10,6 +10,8 @@ Redis Cluster slot):
 - ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms), also the claim's stamp
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
 - ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
+- ``<prefix>:layout``        what every process must agree on: partitions, bucket
+  width, format version (:meth:`DelayedStore.check_layout`)
 
 Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
 list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
@@ -40,7 +42,7 @@ import redis
 
 from .envelope import Envelope
 from .redis_client import UNREACHABLE, Script, connect, execute
-from .settings import Settings, redact_url
+from .settings import ConfigurationError, Settings, redact_url
 
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
 #: when due times are spread out), so a call stalls other clients ~2 ms at most
@@ -55,6 +57,8 @@ MAX_PAGE = 10_000
 #: Width of the time buckets (see the module docstring).  Part of the stored
 #: layout: every process of a deployment must use the same value.
 BUCKET_SECONDS = 10
+#: Version of the stored format (key names, message prefix, member encoding): part of the layout.
+LAYOUT_FORMAT = 1
 #: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
 _BUCKET = struct.Struct(">I")
 #: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
@@ -69,9 +73,21 @@ class StoreUnavailable(RuntimeError):
     """
 
 
+class StoreNotDurable(StoreUnavailable):
+    """A schedule write was not confirmed durable in time (``delayed_schedule_wait``).
+
+    It is stored on the primary, but may be lost if the primary fails now;
+    scheduling the same tasks again is safe (stored ids are kept).
+    """
+
+
 #: What a call to the store's Redis raises when it should simply be tried again later:
 #: unreachable (standalone or cluster), read-only after a failover, out of memory...
 STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
+
+
+class LayoutMismatch(ConfigurationError):
+    """The store's Redis was laid out with other settings than this process's: it must not touch it."""
 
 
 class Fenced(RuntimeError):
@@ -171,6 +187,8 @@ class DelayedStore:
         except UNREACHABLE as exc:  # a cluster client reads the slot map at once
             raise StoreUnavailable(self._unavailable(exc)) from exc
         self.wake_channel = f"{settings.key_prefix}:wake"
+        self._layout_checked = False
+        self._waitaof_checked = False
         self._scripts = {name: Script(self.redis, self.lua_source(name))
                          for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
                                       "counts")}
@@ -198,7 +216,7 @@ class DelayedStore:
         A copy already in flight is always replaced; one still scheduled only
         when ``replace`` (a newer attempt of the task: a retry).
         """
-        added, replaced, _ = self._schedule_replies(self.execute(next(self._schedule_pipelines(
+        added, replaced, _ = self._schedule_replies(self._send(next(self._schedule_pipelines(
             [(task_id, due_ms, data)], replace))[0]))
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
@@ -224,12 +242,12 @@ class DelayedStore:
         """
         pipelines = self._schedule_pipelines(items, replace)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
-            return sum(self._stored(self.execute(pipe), size, progress) for pipe, size in pipelines)
+            return sum(self._stored(self._send(pipe), size, progress) for pipe, size in pipelines)
         added = 0
         with ThreadPoolExecutor(SENDERS, thread_name_prefix="delayed-schedule") as sender:
             sending: deque[tuple[Future, int]] = deque()
             for pipe, size in pipelines:
-                sending.append((sender.submit(self.execute, pipe), size))
+                sending.append((sender.submit(self._send, pipe), size))
                 if len(sending) > SENDERS:
                     added += self._stored(sending[0][0].result(), sending.popleft()[1], progress)
             for future, size in sending:
@@ -257,8 +275,47 @@ class DelayedStore:
                                                     "replace" if replace else "keep",
                                                     *flat[start:start + SCHEDULE_CHUNK * 3]],
                                               client=pipe)
+            self._wait_durable(pipe)
             done += len(batch)
             yield pipe, len(batch)
+
+    def _wait_durable(self, pipe: redis.client.Pipeline) -> None:
+        """End a schedule pipeline with ``WAIT``/``WAITAOF`` when ``delayed_schedule_wait`` asks for it:
+        on the pipeline's own connection, as both count that connection's writes."""
+        policy = self.settings.wait_policy
+        if policy is None:
+            return
+        if policy.aof:
+            self._require_waitaof()
+            pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
+        else:
+            pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
+
+    def _require_waitaof(self) -> None:
+        """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
+        if self._waitaof_checked:
+            return
+        version = self._call_redis(self.redis.info, "server")["redis_version"]
+        if tuple(map(int, version.split(".")[:2])) < (7, 2):
+            raise ConfigurationError(f"delayed_schedule_wait={self.settings.schedule_wait!r} needs WAITAOF, new in "
+                                     f"Redis 7.2; the store's Redis is {version} (use replicas=N with WAIT instead)")
+        self._waitaof_checked = True
+
+    def _send(self, pipe: redis.client.Pipeline) -> list:
+        """Run a schedule pipeline; with ``delayed_schedule_wait``, check and drop its last reply (the wait's)."""
+        replies = self.execute(pipe)
+        policy = self.settings.wait_policy
+        if policy is None:
+            return replies
+        acked = replies.pop()
+        local, replicas = acked if policy.aof else (1, acked)
+        if not local or replicas < policy.replicas:
+            raise StoreNotDurable(
+                f"schedule write not durable within {policy.timeout_ms} ms (delayed_schedule_wait="
+                f"{self.settings.schedule_wait!r}): {replicas} of {policy.replicas} replicas acknowledged it"
+                f"{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
+                "fails now (scheduling them again is safe)")
+        return replies
 
     @classmethod
     def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:
@@ -388,6 +445,13 @@ class DelayedStore:
         seconds, micros = self._call_redis(self.redis.time)
         return seconds * 1000 + micros // 1000
 
+    def fences(self) -> list[int]:
+        """Per partition, the highest fencing token that has claimed it (0 = none yet)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            pipe.get(self.key(p, "fence"))
+        return [int(fence or 0) for fence in self.execute(pipe)]
+
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
         """Move up to ``limit`` due tasks of ``partition`` to inflight and return them."""
@@ -417,6 +481,40 @@ class DelayedStore:
         return self._call("nack", self._keys(partition),
                           [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(claimed)])
 
+    # -- layout --------------------------------------------------------------
+    def layout(self) -> dict[str, int]:
+        """What decides where a task is stored: this process's partitions, bucket width and format."""
+        return {"partitions": self.settings.partitions, "bucket_seconds": BUCKET_SECONDS, "format": LAYOUT_FORMAT}
+
+    def check_layout(self) -> bool:
+        """Record this process's layout in ``<prefix>:layout`` if the store has none, else compare.
+
+        Done once per store object, before its first Redis call (or at start by
+        the poller, workers and CLI): ``partition_of`` depends on the partition
+        count, so a process with another one would strand tasks or miss them in
+        cancel, reschedule and dedup.  Returns True when this call recorded the
+        layout, i.e. nothing was stored under this key prefix before.
+        Raises :class:`LayoutMismatch`, naming both values, on a difference.
+        """
+        mine = {k: str(v) for k, v in self.layout().items()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.layout_key, " ".join(f"{k}={v}" for k, v in mine.items()), nx=True)
+        pipe.get(self.layout_key)
+        created, stored = self._unchecked(execute, self.redis, pipe)
+        differences = [f"{'delayed_' if k == 'partitions' else ''}{k}={v} (this process: {mine.get(k)})"
+                       for k, v in (item.split("=", 1) for item in stored.decode().split()) if mine.get(k) != v]
+        if differences:
+            raise LayoutMismatch(
+                f"the delayed store {self.layout_key} at {redact_url(self.settings.redis_url)} was laid out with "
+                f"{', '.join(differences)}: use the stored value, or drain the store with it and then change it "
+                "(README: Changing the store layout)")
+        self._layout_checked = True
+        return bool(created)
+
+    @property
+    def layout_key(self) -> str:
+        return f"{self.settings.key_prefix}:layout"
+
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
         return self._call_redis(self._scripts[name], keys=keys, args=args)
@@ -426,7 +524,13 @@ class DelayedStore:
         return self._call_redis(execute, self.redis, pipe)
 
     def _call_redis(self, command: Callable, *args, **kwargs):
-        """``command(*args, **kwargs)``, an unreachable store raised as :class:`StoreUnavailable`."""
+        """``command(*args, **kwargs)``, once the layout is checked; an unreachable store raised as
+        :class:`StoreUnavailable`."""
+        if not self._layout_checked:
+            self.check_layout()
+        return self._unchecked(command, *args, **kwargs)
+
+    def _unchecked(self, command: Callable, *args, **kwargs):
         try:
             return command(*args, **kwargs)
         except UNREACHABLE as exc:

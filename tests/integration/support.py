@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,6 +23,7 @@ from confluent_kafka import Consumer
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import ensure_topics
 from celery_delayed.leadership import make_etcd
+from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +87,17 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def run_briefly(poller: Poller, timeout: float = 30.0) -> BaseException | None:
+    """Run ``poller`` in a thread, as at start-up; what it raised, or fail (stopping it) if it still runs."""
+    with ThreadPoolExecutor(1) as runner:
+        future = runner.submit(poller.run)
+        try:
+            return future.exception(timeout=timeout)
+        except FuturesTimeout:
+            poller.stop()
+            pytest.fail(f"the poller was still running after {timeout} s: it did not refuse to start")
 
 
 def envelopes(n: int, queue: str, due_ms: int, prefix: str = "task") -> Iterator[tuple[str, int, bytes]]:
@@ -157,6 +172,12 @@ class Servers:
     def start(self, name: str) -> None:
         subprocess.run([str(ROOT / "scripts" / "services"), "up", name], check=True, capture_output=True)
         self.stopped.remove(name)
+
+    def wipe(self, name: str) -> None:
+        """Stop a server, delete its data directory, start it again: a server recreated without a volume."""
+        self.stop(name)
+        shutil.rmtree(self.run_dir.parent / name)
+        self.start(name)
 
     def restore(self) -> None:
         for name in list(self.stopped):

@@ -39,7 +39,7 @@ def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store)
     where: dict[int, set[int]] = defaultdict(set)
     names: dict[int, set[str]] = defaultdict(set)
     for port, client in nodes(store).items():
-        for key in client.scan_iter(match=f"{store.settings.key_prefix}:*", count=1000):
+        for key in client.scan_iter(match=f"{store.settings.key_prefix}:{{*", count=1000):  # not the layout key
             p = int(key.decode().split("{")[1].split("}")[0])
             where[p].add(port)
             names[p].add(key.decode().split("}:", 1)[1].split(":")[0])

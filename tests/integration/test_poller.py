@@ -60,15 +60,19 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
              "the store to be empty")
 
 
-def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
+def leading_one_partition(overrides: dict) -> tuple[Settings, DelayedStore, Leadership, int, Poller]:
+    """One partition holding a due task, led by an in-process poller (not running): settings, store,
+    the leader, its token and its poller."""
     settings = settings_for(overrides, partitions=1)
     store = DelayedStore(settings)
-    queue = overrides["task_default_queue"]
-    store.schedule_many(envelopes(1, queue, now_ms() - 1000))
+    store.schedule_many(envelopes(1, overrides["task_default_queue"], now_ms() - 1000))
+    leader = Leadership(settings)
+    (token,) = leader.step().values()
+    return settings, store, leader, token, Poller(settings, store=store, leadership=leader)
 
-    old = Leadership(settings)
-    (old_token,) = old.step().values()
-    poller = Poller(settings, store=store, leadership=old)
+
+def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
+    settings, store, old, old_token, poller = leading_one_partition(overrides)
     make_etcd(settings).revoke_lease(old._lease.id)  # as if it was paused past its TTL
     new = Leadership(settings)
     (new_token,) = new.step().values()
@@ -157,7 +161,8 @@ def test_kafka_outage_loses_nothing_and_dispatch_resumes(overrides, processes, s
 
 
 def test_undecodable_stored_message_goes_to_the_dead_letter_queue(overrides, processes):
-    settings = settings_for(overrides, partitions=1)
+    overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
+    settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -216,7 +221,8 @@ def test_poller_metrics_endpoint(overrides, processes):
 
 
 def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processes):
-    settings = settings_for(overrides, partitions=1)
+    overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
+    settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     topic = settings.topic(queue)

@@ -40,3 +40,18 @@ def test_dockerfile_copies_what_the_app_imports():
 def test_the_image_installs_the_tested_versions():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "constraints.txt" in dockerfile and "-c constraints.txt" in dockerfile
+
+
+def test_stateful_servers_keep_their_data_in_named_volumes():
+    spec = compose()
+    services = spec["services"]
+    etcd_data = next(arg.split("=", 1)[1] for arg in services["etcd"]["command"] if arg.startswith("--data-dir="))
+    assert f"etcd-data:{etcd_data}" in services["etcd"]["volumes"]
+    assert "redis-data:/data" in services["redis"]["volumes"]  # the image's working dir: the AOF lands there
+    assert {"etcd-data", "redis-data"} <= set(spec["volumes"])
+
+
+def test_redis_never_evicts_scheduled_tasks():
+    command = compose()["services"]["redis"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert command[command.index("--appendonly") + 1] == "yes"

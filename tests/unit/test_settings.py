@@ -103,3 +103,32 @@ def test_redis_cluster_is_a_bool_off_by_default_and_needs_a_network_url_of_db_0(
 def test_etcd_endpoints_without_a_scheme_are_http_as_for_etcdctl():
     s = Settings.from_mapping({"etcd_endpoints": "127.0.0.1:2379, https://etcd2:2379,etcd3:2381"})
     assert s.etcd_urls == ["http://127.0.0.1:2379", "https://etcd2:2379", "http://etcd3:2381"]
+
+
+def test_allow_eviction_is_off_by_default():
+    assert Settings().allow_eviction is False
+    assert Settings.from_mapping({"allow_eviction": "true"}).allow_eviction is True
+
+
+@pytest.mark.parametrize("value, replicas, aof, timeout_ms", [
+    ("replicas=1", 1, False, 1000), ("replicas=0", 0, False, 1000), ("aof", 0, True, 1000),
+    ("aof, replicas=2, timeout=0.25", 2, True, 250)])
+def test_schedule_wait_is_parsed(value, replicas, aof, timeout_ms):
+    policy = Settings.from_mapping({"schedule_wait": value}).wait_policy
+    assert (policy.replicas, policy.aof, policy.timeout_ms) == (replicas, aof, timeout_ms)
+
+
+def test_schedule_wait_is_off_by_default():
+    assert Settings().wait_policy is None
+
+
+@pytest.mark.parametrize("value", ["x", "aof=1", "timeout=1", "replicas=a", "replicas=-1", "replicas=1,timeout=0",
+                                   "replicas=1,timeout=inf", "replicas=1,foo=2"])
+def test_bad_schedule_wait_is_refused(value):
+    with pytest.raises(ConfigurationError, match="delayed_schedule_wait must be replicas=N, aof or both"):
+        Settings.from_mapping({"schedule_wait": value})
+
+
+def test_schedule_wait_is_refused_on_a_redis_cluster():
+    with pytest.raises(ConfigurationError, match="delayed_schedule_wait is not supported on a Redis Cluster"):
+        Settings.from_mapping({"schedule_wait": "replicas=1", "redis_cluster": True})

@@ -1,0 +1,91 @@
+"""Durability made explicit, on the real Redis: no evicting store, schedule writes that wait for replicas."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import redis
+
+from celery_delayed.durability import preflight, worker_preflight
+from celery_delayed.poller import Poller
+from celery_delayed.settings import ConfigurationError
+from celery_delayed.store import DelayedStore, StoreNotDurable
+
+from .support import envelopes, run_briefly
+from .test_poller import now_ms, settings_for
+
+
+@contextmanager
+def maxmemory_policy(url: str, policy: str) -> Iterator[None]:
+    """This test stack's Redis with another maxmemory-policy, restored afterwards."""
+    admin = redis.Redis.from_url(url)
+    before = admin.config_get("maxmemory-policy")["maxmemory-policy"]
+    admin.config_set("maxmemory-policy", policy)
+    try:
+        yield
+    finally:
+        admin.config_set("maxmemory-policy", before)
+
+
+def test_poller_and_worker_refuse_a_redis_that_evicts(overrides, processes):
+    settings = settings_for(overrides)
+    with maxmemory_policy(settings.redis_url, "allkeys-lru"):
+        refused = run_briefly(Poller(settings))
+        assert isinstance(refused, ConfigurationError)
+        assert "may evict scheduled tasks when full (maxmemory-policy Redis: allkeys-lru)" in str(refused)
+        with pytest.raises(ConfigurationError, match="delayed_allow_eviction = True"):
+            worker_preflight(DelayedStore(settings))
+        worker = processes.worker()
+        assert worker.wait(timeout=60) != 0  # a real worker stops at start
+        assert "may evict scheduled tasks" in processes.log(worker)
+        preflight(DelayedStore(settings_for(overrides, allow_eviction=True)), "poller")  # allowed: starts
+    preflight(DelayedStore(settings), "poller")  # noeviction again: starts
+
+
+def test_a_redis_that_refuses_config_get_is_logged_as_unchecked(overrides, caplog):
+    settings = settings_for(overrides)
+    admin = redis.Redis.from_url(settings.redis_url)
+    user, password = f"nocfg-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-config"])
+    try:
+        limited = settings_for(overrides, redis_url=settings.redis_url.replace("//", f"//{user}:{password}@"))
+        with caplog.at_level(logging.WARNING, logger="celery_delayed.durability"):
+            preflight(DelayedStore(limited), "worker")
+    finally:
+        admin.acl_deluser(user)
+    assert any("could not check the store's maxmemory-policy" in r.getMessage() for r in caplog.records)
+
+
+def test_schedule_wait_for_no_replica_returns_at_once(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=0,timeout=5"))
+    started = time.monotonic()
+    assert store.schedule_many(envelopes(10, "q", now_ms() + 60_000)) == 10
+    assert time.monotonic() - started < 2
+
+
+def test_schedule_wait_for_a_missing_replica_fails_after_its_timeout(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=1,timeout=0.3"))
+    assert store.redis.info("replication")["connected_slaves"] == 0
+    started = time.monotonic()
+    with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 0 of 1 replicas acknowledged it"):
+        store.schedule_many(envelopes(10, "q", now_ms() + 60_000))
+    took = time.monotonic() - started
+    assert 0.25 <= took < 5, took
+    assert store.get("task-0")["state"] == "scheduled"  # on the primary all the same, as the error says
+    with pytest.raises(StoreNotDurable):  # also one task, as apply_async stores it
+        store.schedule_many(envelopes(1, "q", now_ms() + 60_000, prefix="one"))
+
+
+def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):
+    store = DelayedStore(settings_for(overrides, schedule_wait="aof"))
+    version = store.redis.info("server")["redis_version"]
+    if tuple(map(int, version.split(".")[:2])) >= (7, 2):
+        pytest.skip(f"Redis {version} has WAITAOF: the refusal on older ones cannot be shown here")
+    with pytest.raises(ConfigurationError, match=rf"needs WAITAOF, new in Redis 7.2; the store's Redis is {version}"):
+        store.schedule_many(envelopes(1, "q", now_ms() + 60_000))
+    assert store.get("task-0") is None  # refused before anything was written

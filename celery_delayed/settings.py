@@ -11,7 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 PREFIX = "delayed_"
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]*$")
@@ -166,6 +166,7 @@ class Settings:
     def __repr__(self) -> str:  # never print secrets
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["redis_url"] = redact_url(self.redis_url)
+        shown["etcd_endpoints"] = ",".join(map(redact_url, self.etcd_endpoints.split(",")))
         shown["etcd_password"] = "***" if self.etcd_password else None
         shown["kafka_config"] = {k: ("***" if _SECRET.search(k) else v) for k, v in self.kafka_config.items()}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
@@ -174,16 +175,19 @@ class Settings:
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
 _SECRET = re.compile(r"password|secret|key|token", re.I)
+#: A query parameter whose name says it holds a secret (redis-py reads ``?password=``), up to its value.
+_SECRET_PARAM = re.compile(rf"((?:^|[&;])[^=&;#]*(?:{_SECRET.pattern})[^=&;#]*=)[^&;#]*", re.I)
+#: Settings whose raw value may hold a secret: a type error shows only the value's type.
+_SECRET_FIELDS = frozenset({"redis_url", "etcd_endpoints", "etcd_password", "kafka_config"})
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, safe to log."""
+    """``url`` with any password (``user:pw@`` or a ``?password=`` parameter) replaced by ``***``, safe to log."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if parts.password is not None:
+        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}", 1)
+    base, mark, query = url.partition("?")
+    return base + mark + _SECRET_PARAM.sub(r"\1***", query)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -223,5 +227,5 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             raise ValueError(value)
         return value
     except (TypeError, ValueError):
-        shown = "***" if name == "etcd_password" else repr(value)
+        shown = f"a {type(value).__name__} (not shown: it may hold a secret)" if name in _SECRET_FIELDS else repr(value)
         raise ConfigurationError(f"{PREFIX}{name} must be {kind}, got {shown}") from None

@@ -103,3 +103,34 @@ def test_redis_cluster_is_a_bool_off_by_default_and_needs_a_network_url_of_db_0(
 def test_etcd_endpoints_without_a_scheme_are_http_as_for_etcdctl():
     s = Settings.from_mapping({"etcd_endpoints": "127.0.0.1:2379, https://etcd2:2379,etcd3:2381"})
     assert s.etcd_urls == ["http://127.0.0.1:2379", "https://etcd2:2379", "http://etcd3:2381"]
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://h:1/0?password=hunter6&db=2", "redis://h:1/0?password=***&db=2"),
+    ("unix:///tmp/redis.sock?db=1&password=hunter6", "unix:///tmp/redis.sock?db=1&password=***"),
+    ("rediss://u:hunter6@h/0?ssl_keyfile=/k&Password=hunter6", "rediss://u:***@h/0?ssl_keyfile=***&Password=***"),
+    ("http://root:hunter6@etcd:2379", "http://root:***@etcd:2379"),
+])
+def test_redact_url_hides_passwords_in_user_info_and_query(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_secrets_in_urls_never_show_in_repr():
+    s = Settings.from_mapping({"redis_url": "redis://127.0.0.1:6379/0?password=hunter7",
+                               "etcd_endpoints": "http://root:hunter8@a:2379,http://b:2379"})
+    text = repr(s)
+    assert "hunter" not in text
+    assert "redis://127.0.0.1:6379/0?password=***" in text and "http://root:***@a:2379,http://b:2379" in text
+
+
+@pytest.mark.parametrize("name, value", [
+    ("kafka_config", "sasl.password=hunter9"),
+    ("redis_url", b"redis://:hunter9@h/0"),
+    ("redis_url", "http://h/0?password=hunter9"),
+    ("etcd_endpoints", "ftp://root:hunter9@a:2379"),
+    ("etcd_endpoints", ["http://root:hunter9@a:2379", 7]),
+])
+def test_configuration_errors_never_echo_secrets(name, value):
+    with pytest.raises(ConfigurationError, match=f"delayed_{name}") as err:
+        Settings.from_mapping({name: value})
+    assert "hunter9" not in str(err.value)

@@ -15,6 +15,14 @@ from urllib.parse import urlsplit
 
 PREFIX = "delayed_"
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]*$")
+#: Longest Kafka topic name.
+MAX_TOPIC_LENGTH = 249
+#: librdkafka's default ``message.max.bytes``: the largest record its producer sends.
+KAFKA_MESSAGE_MAX_BYTES = 1_000_000
+#: What librdkafka's producer counts beyond key and value against ``message.max.bytes``:
+#: 36 bytes of record framing and 32 of the poller's claimed-time header (measured with
+#: confluent-kafka 2.x), with room to spare.
+RECORD_OVERHEAD = 128
 
 
 class ConfigurationError(ValueError):
@@ -53,7 +61,10 @@ class Settings:
     topic_replication: int = 1
     #: Tasks due sooner than this many seconds take Celery's normal path.
     min_delay: float = 1.0
-    #: Largest stored message, in bytes; larger ones are refused at apply time.
+    #: Largest message, in bytes before compression (what a worker holds); larger ones
+    #: are refused at apply time, and so are those whose stored form Kafka would not
+    #: carry (``message.max.bytes`` of delayed_kafka_config, librdkafka's 1,000,000
+    #: by default, less the record's framing and task id).
     max_message_bytes: int = 1_048_576
     #: Stored messages of at least this many bytes are deflated with a preset
     #: dictionary of Celery's recurring strings (~half the Redis memory per task
@@ -150,6 +161,17 @@ class Settings:
                      "etcd_endpoints", f"must be [http(s)://]host:port[,...], got {redact_url(url)!r}")
         _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
                  "must not set bootstrap.servers (use delayed_kafka_servers)")
+        try:
+            kafka_limit = self.kafka_message_max_bytes
+        except (TypeError, ValueError):
+            kafka_limit = 0
+        _require(kafka_limit >= 1000, "kafka_config", "message.max.bytes must be an integer >= 1000 "
+                 f"(librdkafka's smallest), got {self.kafka_config.get('message.max.bytes')!r}")
+
+    @property
+    def kafka_message_max_bytes(self) -> int:
+        """The producer's largest record: ``message.max.bytes`` of delayed_kafka_config, or librdkafka's default."""
+        return int(self.kafka_config.get("message.max.bytes", KAFKA_MESSAGE_MAX_BYTES))
 
     @property
     def etcd_urls(self) -> list[str]:
@@ -158,6 +180,15 @@ class Settings:
     def topic(self, queue: str) -> str:
         """The Kafka topic that carries due tasks of a Celery queue."""
         return self.topic_prefix + queue
+
+    def checked_topic(self, queue: str) -> str:
+        """:meth:`topic`, or ValueError when Kafka cannot have a topic of that name (it would never
+        be created, and a task routed there could never be dispatched)."""
+        topic = self.topic(queue)
+        if not queue or not _TOPIC_CHARS.match(queue) or len(topic) > MAX_TOPIC_LENGTH:
+            raise ValueError(f"queue name {queue!r} cannot be a Kafka topic: use letters, digits, '.', '_', '-', "
+                             f"at most {MAX_TOPIC_LENGTH - len(self.topic_prefix)} of them")
+        return topic
 
     def kafka(self, **extra: Any) -> dict[str, Any]:
         """confluent-kafka configuration: servers, user config, then ``extra``."""

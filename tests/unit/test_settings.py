@@ -134,3 +134,10 @@ def test_configuration_errors_never_echo_secrets(name, value):
     with pytest.raises(ConfigurationError, match=f"delayed_{name}") as err:
         Settings.from_mapping({name: value})
     assert "hunter9" not in str(err.value)
+
+
+def test_kafka_message_limit_is_librdkafkas_default_or_the_configured_one():
+    assert Settings().kafka_message_max_bytes == 1_000_000
+    assert Settings.from_mapping({"kafka_config": {"message.max.bytes": "20000"}}).kafka_message_max_bytes == 20_000
+    with pytest.raises(ConfigurationError, match=r"message.max.bytes must be an integer >= 1000.*'big'"):
+        Settings.from_mapping({"kafka_config": {"message.max.bytes": "big"}})

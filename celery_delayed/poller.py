@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
-from .envelope import EnvelopeError, decode_meta
+from .envelope import decode_meta
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
@@ -170,28 +170,37 @@ class Poller:
 
     def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
                  headers: list[tuple[str, str]] | None = None) -> int:
+        """Route one claimed message to its topic and hand it to the producer; 1 when handed."""
         try:
-            topic = self.settings.topic(decode_meta(data)["q"])
-        except EnvelopeError as exc:
-            self._dead_letter(partition, task_id, stamp, data, f"undecodable stored message: {exc}")
+            topic = self.settings.checked_topic(decode_meta(data)["q"])
+        except Exception as exc:  # whatever one message does (RecursionError...), only it is parked
+            self._dead_letter(partition, task_id, stamp, data,
+                              f"undecodable stored message: {type(exc).__name__}: {exc}")
             return 0
         if topic not in self._topics:
             if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
                 self._settle(self.store.nack, partition, [(task_id, stamp)])  # Kafka unreachable: due again soon
                 return 0
+        return int(self._send(partition, task_id, stamp, due_ms, topic, data, headers))
 
+    def _send(self, partition: int, task_id: str, stamp: int, due_ms: int | None, topic: str, data: bytes,
+              headers: list[tuple[str, str]] | None = None) -> bool:
+        """``produce()`` one message, serving delivery reports while the local queue is full.
+
+        False when the producer raised: the message is dead-lettered (e.g. too large).
+        """
         while True:
             try:
                 self.producer.produce(topic, key=task_id, value=data, headers=headers, on_delivery=self._on_delivery)
-                break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)
-            except KafkaException as exc:  # this message can never be produced (e.g. too large)
+                continue
+            except KafkaException as exc:
                 self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {exc}")
-                return 0
-        self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
-        self._pending += 1
-        return 1
+                return False
+            self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
+            self._pending += 1
+            return True
 
     def _ensure_topic(self, topic: str) -> bool:
         """Create a queue's topic if missing; on failure, stop trying for a few seconds."""
@@ -233,10 +242,8 @@ class Poller:
         suspects, self._suspects = self._suspects, []
         for partition, task_id, stamp, due_ms, topic, data in suspects:
             self._alone = (task_id, stamp)
-            self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
-            self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
-            self._pending += 1
-            self.producer.flush(10)
+            if self._send(partition, task_id, stamp, due_ms, topic, data):
+                self.producer.flush(10)
         self._alone = None
 
     def _settle(self, action: Callable[[int, list[tuple[str, int]]], int], partition: int,

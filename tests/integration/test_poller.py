@@ -27,6 +27,21 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def small_topic(settings: Settings, queue: str) -> str:
+    """The queue's topic, created with a broker limit of 1000 bytes per message (``max.message.bytes``)."""
+    topic = settings.topic(queue)
+    admin = AdminClient(settings.kafka())
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[topic].result()
+    return topic
+
+
+def too_big(task_id: str, queue: str) -> bytes:
+    """A stored message that the producer sends and a :func:`small_topic` refuses."""
+    return Envelope(task_id=task_id, queue=queue, headers={"task": "tasks.demo.add", "id": task_id},
+                    body=base64.b64encode(os.urandom(3000)), content_type="application/json",
+                    content_encoding="utf-8").encode()
+
+
 def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
     n = 100_000
     overrides.update(delayed_partitions=8, delayed_visibility_timeout=3)
@@ -219,12 +234,8 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
     settings = settings_for(overrides, partitions=1)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
-    topic = settings.topic(queue)
-    admin = AdminClient(settings.kafka())
-    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[topic].result()
-    big = Envelope(task_id="big", queue=queue, headers={"task": "tasks.demo.add", "id": "big"},
-                   body=base64.b64encode(os.urandom(3000)), content_type="application/json",
-                   content_encoding="utf-8").encode()
+    topic = small_topic(settings, queue)
+    big = too_big("big", queue)
     store.schedule_many([("big", now_ms(), big), *envelopes(5, queue, now_ms())])
     reader = TopicReader(settings, topic)
     processes.poller()
@@ -233,3 +244,20 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
     letter = wait_for(lambda: DeadLetters(store).get("big"), 30, "the refused message in the dead-letter queue")
     assert "Kafka refused the message" in letter.reason and letter.message == big
     wait_for(lambda: store.get("big") is None, 10, "the refused message to leave the store")
+
+
+def test_a_poison_pill_is_dead_lettered_and_the_poller_lives_on(overrides, processes):
+    settings = settings_for(overrides, partitions=1)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    deep = b"\x01" + b'{"id":"poison","q":"' + queue.encode() + b'","h":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n{}"
+    store.schedule_many([("poison", now_ms(), deep), *envelopes(10, queue, now_ms())])
+    poller = processes.poller()
+    assert len(reader.read_until(10, timeout=30)) == 10
+    reader.close()
+    letter = wait_for(lambda: DeadLetters(store).get("poison"), 10, "the poison pill in the dead-letter queue")
+    assert letter.source == "poller" and "undecodable" in letter.reason and letter.message == deep
+    assert poller.poll() is None, "the poller died:\n" + processes.log(poller)[-3000:]
+    assert store.get("poison") is None
+

@@ -21,24 +21,20 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from . import metrics
 from .dlq import DeadLetter, DeadLetters
 from .envelope import decode_meta
-from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
+from .kafka import CLAIMED_HEADER, DUE_HEADER, Verdict, classify, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, Fenced
 
 logger = logging.getLogger(__name__)
 
-#: What a Redis call of the store may raise: the loop logs it and goes on.
-#: Delivery errors about the message itself: retrying cannot help, so it goes to the
-#: dead-letter queue.  Every other error (timeouts, outages, authorisation) returns
-#: the task to due and is retried, however long that takes.
-REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
-                     KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 #: "Nothing scheduled" as a due time.
 NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
 #: notices a resigned leader's partitions within this.
 LEADERSHIP_INTERVAL = 0.5
+#: Longest wait for a fatally failed producer's last delivery reports (s).
+REPLACE_TIMEOUT = 5.0
 
 
 class RateLimit:
@@ -187,7 +183,9 @@ class Poller:
               headers: list[tuple[str, str]] | None = None) -> bool:
         """``produce()`` one message, serving delivery reports while the local queue is full.
 
-        False when the producer raised: the message is dead-lettered (e.g. too large).
+        False when the producer raised: a message Kafka can never carry is
+        dead-lettered; after any other error it returns to due with the failed
+        deliveries (and a fatal error replaces the producer there).
         """
         while True:
             try:
@@ -196,7 +194,12 @@ class Poller:
                 self.producer.poll(0.05)
                 continue
             except KafkaException as exc:
-                self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {exc}")
+                err = exc.args[0]
+                if classify(err) is Verdict.PERMANENT:
+                    self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {err}")
+                else:  # reported as a failed delivery: counted as pending until _settle_reports
+                    self._pending += 1
+                    self._reports.append((partition, task_id, stamp, due_ms, err))
                 return False
             self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
             self._pending += 1
@@ -226,7 +229,7 @@ class Poller:
         stamp, partition, due_ms = waiting.pop(0)
         if not waiting:
             del self._in_flight[task_id, topic]
-        if err is not None and err.code() in REFUSED:
+        if err is not None and classify(err) is Verdict.PERMANENT:
             # The broker refuses whole batches: this message may only have shared one with the
             # culprit.  Sent alone and refused again, it is the culprit: park it.
             self._pending -= 1
@@ -259,24 +262,53 @@ class Poller:
             return None
 
     def _drain_reports(self, timeout: float) -> None:
-        """Serve Kafka delivery reports: ack the delivered, return the failed to due."""
+        """Serve Kafka delivery reports: ack the delivered, return the failed to due, and replace
+        a producer that failed fatally."""
         if timeout:
             self.producer.flush(timeout)
         else:
             self.producer.poll(0)
         if self._suspects:
             self._send_suspects_alone()
+        fatal = self._settle_reports()
+        if fatal is not None:
+            self._replace_producer(fatal)
+
+    def _replace_producer(self, err: KafkaError) -> None:
+        """After a fatal error a producer refuses everything for good (an idempotent producer that
+        lost its sequence cannot go on): what it still holds returns to due, a new one takes over."""
+        logger.error("Kafka producer failed fatally (%s): replacing it", err)
+        self.stats["producer_replaced"] += 1
+        old, self.producer = self.producer, make_producer(self.settings)
+        try:
+            old.purge()  # each undelivered message gets a failed delivery report...
+            old.flush(REPLACE_TIMEOUT)  # ...served here
+        except KafkaException as exc:
+            logger.warning("the failed producer could not report its messages: %s", exc)
+        # what it never reported failed too: nothing will ever report it
+        self._reports += [(partition, task_id, stamp, due_ms, err) for (task_id, _), copies in self._in_flight.items()
+                          for stamp, partition, due_ms in copies]
+        self._in_flight = {}
+        self._settle_reports()  # a fatal error among these is the one being handled
+        self._pending = 0
+
+    def _settle_reports(self) -> KafkaError | None:
+        """Ack the delivered and nack the failed of the reports served so far; returns a fatal
+        error among them, if any."""
         if not self._reports:
-            return
+            return None
         reports, self._reports = self._reports, []
         self._pending -= len(reports)
         now_ms = time.time() * 1000 + self._clock_offset_ms
         delivered: dict[int, list[tuple[str, int]]] = defaultdict(list)
         failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        fatal = None
         for partition, task_id, stamp, due_ms, err in reports:
             if err:
                 failed[partition].append((task_id, stamp))
                 logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
+                if classify(err) is Verdict.FATAL:
+                    fatal = err
             else:
                 delivered[partition].append((task_id, stamp))
                 if due_ms is not None:
@@ -292,6 +324,7 @@ class Poller:
                 self._next_due[partition] = 0  # due again in a second: look then
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))
+        return fatal
 
     def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)

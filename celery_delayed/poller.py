@@ -19,7 +19,7 @@ from typing import Callable
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
-from .dlq import DeadLetter, DeadLetters
+from .dlq import DeadLetter, DeadLetters, ResultBackend
 from .envelope import decode_meta
 from .kafka import CLAIMED_HEADER, DUE_HEADER, Verdict, classify, ensure_topics, make_producer
 from .leadership import Leadership
@@ -64,11 +64,17 @@ class RateLimit:
 
 
 class Poller:
-    """Dispatches due tasks of the partitions this process leads."""
+    """Dispatches due tasks of the partitions this process leads.
+
+    ``backend``: the app's result backend, where a task the poller dead-letters
+    gets its FAILURE result (so its waiters wake up).
+    """
 
     def __init__(self, settings: Settings, store: DelayedStore | None = None,
-                 leadership: Leadership | None = None, producer: Producer | None = None) -> None:
+                 leadership: Leadership | None = None, producer: Producer | None = None,
+                 backend: ResultBackend | None = None) -> None:
         self.settings = settings
+        self.backend = backend
         self.store = store or DelayedStore(settings)
         self.leadership = leadership or Leadership(settings)
         self.producer = producer or make_producer(settings)
@@ -329,7 +335,8 @@ class Poller:
     def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
         try:
-            self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
+            self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data),
+                                   self.backend)
         except STORE_ERRORS as exc:  # stays in flight: it comes back after the visibility timeout
             logger.warning("could not dead-letter %s: %s", task_id, exc)
             return

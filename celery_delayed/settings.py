@@ -20,8 +20,8 @@ MAX_TOPIC_LENGTH = 249
 #: librdkafka's default ``message.max.bytes``: the largest record its producer sends.
 KAFKA_MESSAGE_MAX_BYTES = 1_000_000
 #: What librdkafka's producer counts beyond key and value against ``message.max.bytes``:
-#: 36 bytes of record framing and 32 of the poller's claimed-time header (measured with
-#: confluent-kafka 2.x), with room to spare.
+#: 36 bytes of record framing and 60 of the poller's due and claimed-time headers
+#: (measured with confluent-kafka 2.x), with room to spare.
 RECORD_OVERHEAD = 128
 
 

@@ -21,7 +21,7 @@ from kombu.exceptions import EncodeError
 import celery_delayed
 from celery_delayed import DelayedPublishError, StoreUnavailable, store_of
 from celery_delayed.envelope import Envelope, decode_meta
-from celery_delayed.kafka import CLAIMED_HEADER, ensure_topics, make_producer
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from tasks import create_app
 
 from .support import wait_for
@@ -299,17 +299,18 @@ def test_the_largest_message_apply_accepts_is_one_kafka_carries(overrides):
 
     def stored(n: int) -> bytes:
         task_id = str(uuid.uuid4())
-        return amqp.stored_form(Envelope(task_id=task_id, queue=queue, headers={"task": "tasks.demo.add", "id": task_id},
+        return amqp.stored_form(Envelope(task_id=task_id, queue=queue, headers={"task": "tasks.demo.add",
+                                                                                "id": task_id},
                                          body=b"x" * n, content_type="application/json", content_encoding="utf-8"))
 
     fits = max(n for n in range(limit - 1000, limit) if _accepted(stored, n))
     with pytest.raises(DelayedPublishError, match=f"over the producer's message.max.bytes={limit}"):
         stored(fits + 1)
-    data = stored(fits)
+    data, now = stored(fits), store_of(app).now_ms()
     ensure_topics(settings, [queue])
     producer, reports = make_producer(settings), []
     producer.produce(settings.topic(queue), key=decode_meta(data)["id"], value=data,
-                     headers=[(CLAIMED_HEADER, str(store_of(app).now_ms()))],  # as the poller sends it
+                     headers=[(DUE_HEADER, str(now)), (CLAIMED_HEADER, str(now))],  # as the poller sends it
                      on_delivery=lambda err, msg: reports.append(err))
     producer.flush(30)
     assert reports == [None]  # the real producer, with that message.max.bytes, delivered it

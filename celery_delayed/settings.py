@@ -197,7 +197,7 @@ class Settings:
     def __repr__(self) -> str:  # never print secrets
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["redis_url"] = redact_url(self.redis_url)
-        shown["etcd_endpoints"] = ",".join(map(redact_url, self.etcd_endpoints.split(",")))
+        shown["etcd_endpoints"] = ",".join(map(redact_url, self.etcd_urls))
         shown["etcd_password"] = "***" if self.etcd_password else None
         shown["kafka_config"] = {k: ("***" if _SECRET.search(k) else v) for k, v in self.kafka_config.items()}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"

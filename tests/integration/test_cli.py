@@ -38,7 +38,7 @@ def test_secret_in_a_bad_redis_url_is_not_printed(overrides):
     ({"DELAYED_REDIS_URL": "redis://:s3cret@127.0.0.1:1/0"}, "delayed store at redis://:***@127.0.0.1:1/0 unavailable"),
     ({"DELAYED_KAFKA_CONFIG": "sasl.password=s3cret"}, "delayed_kafka_config must be Mapping"),
     ({"DELAYED_ETCD_ENDPOINTS": "ftp://root:s3cret@127.0.0.1:2379"},
-     "delayed_etcd_endpoints must be http(s)://host:port[,...], got 'ftp://root:***@127.0.0.1:2379'"),
+     "delayed_etcd_endpoints must be [http(s)://]host:port[,...], got 'ftp://root:***@127.0.0.1:2379'"),
 ])
 def test_no_command_prints_a_secret_of_the_settings(overrides, env, shown):
     done = celery(overrides, "delayed", "status", **env)

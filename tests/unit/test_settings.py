@@ -117,10 +117,11 @@ def test_redact_url_hides_passwords_in_user_info_and_query(url, shown):
 
 def test_secrets_in_urls_never_show_in_repr():
     s = Settings.from_mapping({"redis_url": "redis://127.0.0.1:6379/0?password=hunter7",
-                               "etcd_endpoints": "http://root:hunter8@a:2379,http://b:2379"})
+                               "etcd_endpoints": "http://root:hunter8@a:2379,http://b:2379,root:hunter8@c:2379"})
     text = repr(s)
     assert "hunter" not in text
-    assert "redis://127.0.0.1:6379/0?password=***" in text and "http://root:***@a:2379,http://b:2379" in text
+    assert "redis://127.0.0.1:6379/0?password=***" in text
+    assert "http://root:***@a:2379,http://b:2379,http://root:***@c:2379" in text
 
 
 @pytest.mark.parametrize("name, value", [

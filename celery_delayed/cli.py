@@ -61,7 +61,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     port = settings.metrics_port if metrics_port is None else metrics_port
     if port:
         prometheus_client.start_http_server(port, addr="127.0.0.1")
-    the_poller = Poller(settings, store=store)
+    the_poller = Poller(settings, store=store, backend=ctx.obj.app.backend)
 
     def on_signal(signum: int, frame: object) -> None:
         logging.getLogger(__name__).info("signal %d: finishing the batch in hand, resigning", signum)

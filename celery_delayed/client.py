@@ -26,16 +26,14 @@ from kombu import Queue
 from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
-from .envelope import Envelope, EnvelopeError, deflate, serialize
+from .envelope import Envelope, deflate, serialize
 from .once import FROM_KAFKA
 from .revoke import record_revoked
-from .settings import _TOPIC_CHARS, Settings
+from .settings import RECORD_OVERHEAD, Settings
 from .store import STORE_ERRORS, DelayedStore, Stored
 
 logger = logging.getLogger(__name__)
 
-#: Longest Kafka topic name.
-MAX_TOPIC_LENGTH = 249
 #: Longest wait (s) between store writes of a task's own retry while the store is down.
 OWN_RETRY_MAX_INTERVAL = 2.0
 
@@ -110,24 +108,28 @@ class DelayedAMQP(AMQP):
         """The bytes the store keeps for ``envelope``, after checking it can be stored and run.
 
         Raises :class:`DelayedPublishError` when its queue cannot be a Kafka topic,
-        a header is not JSON data or the message exceeds ``delayed_max_message_bytes``
-        (measured before compression: it is what a worker will hold).
+        a header is not JSON data, the message exceeds ``delayed_max_message_bytes``
+        (measured before compression: it is what a worker will hold), or the stored
+        form is more than Kafka's producer would carry (it could never be dispatched).
         """
         settings = self.delayed_settings
-        topic = settings.topic(envelope.queue)
-        if not envelope.queue or not _TOPIC_CHARS.match(envelope.queue) or len(topic) > MAX_TOPIC_LENGTH:
-            raise DelayedPublishError(
-                f"queue name {envelope.queue!r} cannot be a Kafka topic: use letters, digits, '.', '_', '-', "
-                f"at most {MAX_TOPIC_LENGTH - len(settings.topic_prefix)} of them")
         try:
+            settings.checked_topic(envelope.queue)
             frame = envelope.encode()
-        except EnvelopeError as exc:
+        except ValueError as exc:  # a bad queue name, or an EnvelopeError
             raise DelayedPublishError(str(exc)) from None
         if len(frame) > settings.max_message_bytes:
             raise DelayedPublishError(
                 f"task {envelope.task_name} [{envelope.task_id}] message is {len(frame)} bytes, "
                 f"over delayed_max_message_bytes={settings.max_message_bytes}")
-        return deflate(frame, settings.compress_min_bytes)
+        stored = deflate(frame, settings.compress_min_bytes)
+        record = len(stored) + len(envelope.task_id.encode()) + RECORD_OVERHEAD  # the task id is the key
+        if record > settings.kafka_message_max_bytes:
+            raise DelayedPublishError(
+                f"task {envelope.task_name} [{envelope.task_id}] would be a Kafka record of {record} bytes "
+                f"(stored message, task id and framing), over the producer's message.max.bytes="
+                f"{settings.kafka_message_max_bytes} (delayed_kafka_config)")
+        return stored
 
 
 class _StoreProducer:

@@ -438,8 +438,8 @@ class KafkaFeed:
     def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
         task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
-        self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
-                                         message=record.value() or b""))
+        self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
+                                          message=record.value() or b""), self.c.app.backend)
         metrics.DEAD_LETTERED.labels("worker").inc()
         self._settle(partition, record.offset())
 

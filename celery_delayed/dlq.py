@@ -6,10 +6,13 @@ so it survives restarts of every component.  A record is one JSON line
 (reason, traceback, attempts, time, source) followed by the original bytes.
 Operators list and read records, requeue them (back through the store, due
 now, under the same task id) or purge them (``celery delayed dlq ...``).
+A message parked before it ran also gets a FAILURE result (:meth:`DeadLetters.park`),
+so whoever waits on it learns why instead of waiting for ever.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Protocol
@@ -18,6 +21,8 @@ from .envelope import Envelope, EnvelopeError
 from .once import forget_run_records
 from .redis_client import Script, execute
 from .store import DelayedStore
+
+logger = logging.getLogger(__name__)
 
 #: Records read and requeued per round trip by :meth:`DeadLetters.requeue_all`.
 REQUEUE_CHUNK = 500
@@ -29,10 +34,16 @@ class DeadLetterError(ValueError):
     """A dead letter cannot be read or requeued; the message says which and why."""
 
 
+class DeadLettered(Exception):
+    """The FAILURE result of a task parked in the dead-letter queue before it ran; says why."""
+
+
 class ResultBackend(Protocol):
-    """What requeueing needs of a Celery result backend."""
+    """What parking and requeueing need of a Celery result backend."""
 
     def forget(self, task_id: str) -> None: ...
+
+    def mark_as_failure(self, task_id: str, exc: BaseException, traceback: str | None = None) -> None: ...
 
 
 @dataclass
@@ -95,6 +106,22 @@ class DeadLetters:
     def add(self, letter: DeadLetter) -> None:
         letter.timestamp = letter.timestamp or time.time()
         self._scripts["dead_letter"](keys=self.keys, args=[letter.task_id, letter.encode()])
+
+    def park(self, letter: DeadLetter, backend: ResultBackend | None) -> None:
+        """:meth:`add` a message that will not run, and record its FAILURE in ``backend`` (the app's
+        result backend), so ``AsyncResult.get()`` raises :class:`DeadLettered` naming the reason.
+
+        Not for tasks that failed when run: Celery has recorded their failure.  A
+        backend that cannot record it is logged: the message is parked either way.
+        """
+        self.add(letter)
+        if backend is None:
+            return
+        try:
+            reason = DeadLettered(f"dead-lettered by the {letter.source}: {letter.reason}")
+            backend.mark_as_failure(letter.task_id, reason, traceback=letter.traceback or None)
+        except Exception:  # any backend, any error: waiters keep waiting, the dead letter stays
+            logger.exception("could not record the FAILURE of dead-lettered task %s", letter.task_id)
 
     def get(self, task_id: str) -> DeadLetter | None:
         data = self.store.redis.hget(self.keys[0], task_id)

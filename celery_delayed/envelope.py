@@ -173,7 +173,7 @@ def _parse(data: bytes) -> tuple[dict[str, Any], bytes, bool]:
         raise EnvelopeError("envelope has no meta line")
     try:
         meta = json.loads(text[:end])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise EnvelopeError(f"envelope meta is not JSON: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("q"), str) or not isinstance(meta.get("id"), str):
         raise EnvelopeError("envelope meta lacks a task id or queue")

@@ -1,6 +1,7 @@
 """Kafka plumbing shared by the poller and the workers: clients and topics."""
 from __future__ import annotations
 
+import enum
 import logging
 from typing import Iterable
 
@@ -14,6 +15,24 @@ logger = logging.getLogger(__name__)
 #: Record headers the poller sets: when the task was due (ms; the store keeps no ``eta`` header,
 #: the worker restores it from this) and when the poller claimed it (ms, for per-hop timing).
 DUE_HEADER, CLAIMED_HEADER = "x-delayed-due", "x-delayed-claimed"
+#: Error codes about the message itself (size, format): retrying it cannot help.
+REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
+                     KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
+
+
+class Verdict(enum.Enum):
+    """What a produce or delivery error means for the message, and for the producer."""
+
+    PERMANENT = "permanent"  # Kafka can never carry this message: dead-letter it
+    FATAL = "fatal"  # the producer is unusable (e.g. an idempotent producer out of sequence): replace it
+    TRANSIENT = "transient"  # timeouts, outages, authorisation, unknown topic...: try the message again later
+
+
+def classify(err: KafkaError) -> Verdict:
+    """The :class:`Verdict` on a Kafka error; a fatal producer error wins over the error's code."""
+    if err.fatal() or err.code() == KafkaError._FATAL:
+        return Verdict.FATAL
+    return Verdict.PERMANENT if err.code() in REFUSED else Verdict.TRANSIENT
 
 
 def make_producer(settings: Settings) -> Producer:

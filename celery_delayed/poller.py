@@ -19,27 +19,23 @@ from typing import Callable
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
-from .dlq import DeadLetter, DeadLetters
+from .dlq import DeadLetter, DeadLetters, ResultBackend
 from .durability import preflight
-from .envelope import EnvelopeError, decode_meta
-from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
+from .envelope import decode_meta
+from .kafka import CLAIMED_HEADER, DUE_HEADER, Verdict, classify, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, Fenced
 
 logger = logging.getLogger(__name__)
 
-#: What a Redis call of the store may raise: the loop logs it and goes on.
-#: Delivery errors about the message itself: retrying cannot help, so it goes to the
-#: dead-letter queue.  Every other error (timeouts, outages, authorisation) returns
-#: the task to due and is retried, however long that takes.
-REFUSED = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE, KafkaError.INVALID_MSG,
-                     KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE})
 #: "Nothing scheduled" as a due time.
 NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
 #: notices a resigned leader's partitions within this.
 LEADERSHIP_INTERVAL = 0.5
+#: Longest wait for a fatally failed producer's last delivery reports (s).
+REPLACE_TIMEOUT = 5.0
 
 
 class RateLimit:
@@ -69,11 +65,17 @@ class RateLimit:
 
 
 class Poller:
-    """Dispatches due tasks of the partitions this process leads."""
+    """Dispatches due tasks of the partitions this process leads.
+
+    ``backend``: the app's result backend, where a task the poller dead-letters
+    gets its FAILURE result (so its waiters wake up).
+    """
 
     def __init__(self, settings: Settings, store: DelayedStore | None = None,
-                 leadership: Leadership | None = None, producer: Producer | None = None) -> None:
+                 leadership: Leadership | None = None, producer: Producer | None = None,
+                 backend: ResultBackend | None = None) -> None:
         self.settings = settings
+        self.backend = backend
         self.store = store or DelayedStore(settings)
         self.leadership = leadership or Leadership(settings)
         self.producer = producer or make_producer(settings)
@@ -194,28 +196,44 @@ class Poller:
 
     def _produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
                  headers: list[tuple[str, str]] | None = None) -> int:
+        """Route one claimed message to its topic and hand it to the producer; 1 when handed."""
         try:
-            topic = self.settings.topic(decode_meta(data)["q"])
-        except EnvelopeError as exc:
-            self._dead_letter(partition, task_id, stamp, data, f"undecodable stored message: {exc}")
+            topic = self.settings.checked_topic(decode_meta(data)["q"])
+        except Exception as exc:  # whatever one message does (RecursionError...), only it is parked
+            self._dead_letter(partition, task_id, stamp, data,
+                              f"undecodable stored message: {type(exc).__name__}: {exc}")
             return 0
         if topic not in self._topics:
             if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
                 self._settle(self.store.nack, partition, [(task_id, stamp)])  # Kafka unreachable: due again soon
                 return 0
+        return int(self._send(partition, task_id, stamp, due_ms, topic, data, headers))
 
+    def _send(self, partition: int, task_id: str, stamp: int, due_ms: int | None, topic: str, data: bytes,
+              headers: list[tuple[str, str]] | None = None) -> bool:
+        """``produce()`` one message, serving delivery reports while the local queue is full.
+
+        False when the producer raised: a message Kafka can never carry is
+        dead-lettered; after any other error it returns to due with the failed
+        deliveries (and a fatal error replaces the producer there).
+        """
         while True:
             try:
                 self.producer.produce(topic, key=task_id, value=data, headers=headers, on_delivery=self._on_delivery)
-                break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self.producer.poll(0.05)
-            except KafkaException as exc:  # this message can never be produced (e.g. too large)
-                self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {exc}")
-                return 0
-        self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
-        self._pending += 1
-        return 1
+                continue
+            except KafkaException as exc:
+                err = exc.args[0]
+                if classify(err) is Verdict.PERMANENT:
+                    self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {err}")
+                else:  # reported as a failed delivery: counted as pending until _settle_reports
+                    self._pending += 1
+                    self._reports.append((partition, task_id, stamp, due_ms, err))
+                return False
+            self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
+            self._pending += 1
+            return True
 
     def _ensure_topic(self, topic: str) -> bool:
         """Create a queue's topic if missing; on failure, stop trying for a few seconds."""
@@ -241,7 +259,7 @@ class Poller:
         stamp, partition, due_ms = waiting.pop(0)
         if not waiting:
             del self._in_flight[task_id, topic]
-        if err is not None and err.code() in REFUSED:
+        if err is not None and classify(err) is Verdict.PERMANENT:
             # The broker refuses whole batches: this message may only have shared one with the
             # culprit.  Sent alone and refused again, it is the culprit: park it.
             self._pending -= 1
@@ -257,10 +275,8 @@ class Poller:
         suspects, self._suspects = self._suspects, []
         for partition, task_id, stamp, due_ms, topic, data in suspects:
             self._alone = (task_id, stamp)
-            self.producer.produce(topic, key=task_id, value=data, on_delivery=self._on_delivery)
-            self._in_flight.setdefault((task_id, topic), []).append((stamp, partition, due_ms))
-            self._pending += 1
-            self.producer.flush(10)
+            if self._send(partition, task_id, stamp, due_ms, topic, data):
+                self.producer.flush(10)
         self._alone = None
 
     def _settle(self, action: Callable[[int, list[tuple[str, int]]], int], partition: int,
@@ -276,24 +292,53 @@ class Poller:
             return None
 
     def _drain_reports(self, timeout: float) -> None:
-        """Serve Kafka delivery reports: ack the delivered, return the failed to due."""
+        """Serve Kafka delivery reports: ack the delivered, return the failed to due, and replace
+        a producer that failed fatally."""
         if timeout:
             self.producer.flush(timeout)
         else:
             self.producer.poll(0)
         if self._suspects:
             self._send_suspects_alone()
+        fatal = self._settle_reports()
+        if fatal is not None:
+            self._replace_producer(fatal)
+
+    def _replace_producer(self, err: KafkaError) -> None:
+        """After a fatal error a producer refuses everything for good (an idempotent producer that
+        lost its sequence cannot go on): what it still holds returns to due, a new one takes over."""
+        logger.error("Kafka producer failed fatally (%s): replacing it", err)
+        self.stats["producer_replaced"] += 1
+        old, self.producer = self.producer, make_producer(self.settings)
+        try:
+            old.purge()  # each undelivered message gets a failed delivery report...
+            old.flush(REPLACE_TIMEOUT)  # ...served here
+        except KafkaException as exc:
+            logger.warning("the failed producer could not report its messages: %s", exc)
+        # what it never reported failed too: nothing will ever report it
+        self._reports += [(partition, task_id, stamp, due_ms, err) for (task_id, _), copies in self._in_flight.items()
+                          for stamp, partition, due_ms in copies]
+        self._in_flight = {}
+        self._settle_reports()  # a fatal error among these is the one being handled
+        self._pending = 0
+
+    def _settle_reports(self) -> KafkaError | None:
+        """Ack the delivered and nack the failed of the reports served so far; returns a fatal
+        error among them, if any."""
         if not self._reports:
-            return
+            return None
         reports, self._reports = self._reports, []
         self._pending -= len(reports)
         now_ms = time.time() * 1000 + self._clock_offset_ms
         delivered: dict[int, list[tuple[str, int]]] = defaultdict(list)
         failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        fatal = None
         for partition, task_id, stamp, due_ms, err in reports:
             if err:
                 failed[partition].append((task_id, stamp))
                 logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
+                if classify(err) is Verdict.FATAL:
+                    fatal = err
             else:
                 delivered[partition].append((task_id, stamp))
                 if due_ms is not None:
@@ -309,11 +354,13 @@ class Poller:
                 self._next_due[partition] = 0  # due again in a second: look then
                 self.stats["delivery_failed"] += len(ids)
                 metrics.DELIVERY_FAILED.inc(len(ids))
+        return fatal
 
     def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
         try:
-            self.dead_letters.add(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data))
+            self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data),
+                                   self.backend)
         except STORE_ERRORS as exc:  # stays in flight: it comes back after the visibility timeout
             logger.warning("could not dead-letter %s: %s", task_id, exc)
             return

@@ -11,10 +11,18 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 PREFIX = "delayed_"
 _TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]*$")
+#: Longest Kafka topic name.
+MAX_TOPIC_LENGTH = 249
+#: librdkafka's default ``message.max.bytes``: the largest record its producer sends.
+KAFKA_MESSAGE_MAX_BYTES = 1_000_000
+#: What librdkafka's producer counts beyond key and value against ``message.max.bytes``:
+#: 36 bytes of record framing and 60 of the poller's due and claimed-time headers
+#: (measured with confluent-kafka 2.x), with room to spare.
+RECORD_OVERHEAD = 128
 
 
 class ConfigurationError(ValueError):
@@ -53,7 +61,10 @@ class Settings:
     topic_replication: int = 1
     #: Tasks due sooner than this many seconds take Celery's normal path.
     min_delay: float = 1.0
-    #: Largest stored message, in bytes; larger ones are refused at apply time.
+    #: Largest message, in bytes before compression (what a worker holds); larger ones
+    #: are refused at apply time, and so are those whose stored form Kafka would not
+    #: carry (``message.max.bytes`` of delayed_kafka_config, librdkafka's 1,000,000
+    #: by default, less the record's framing and task id).
     max_message_bytes: int = 1_048_576
     #: Stored messages of at least this many bytes are deflated with a preset
     #: dictionary of Celery's recurring strings (~half the Redis memory per task
@@ -164,6 +175,12 @@ class Settings:
         _require(not (self.schedule_wait and self.redis_cluster), "schedule_wait",
                  "is not supported on a Redis Cluster (WAIT acknowledges one node's writes)")
         self.wait_policy  # raises on a bad schedule_wait
+        try:
+            kafka_limit = self.kafka_message_max_bytes
+        except (TypeError, ValueError):
+            kafka_limit = 0
+        _require(kafka_limit >= 1000, "kafka_config", "message.max.bytes must be an integer >= 1000 "
+                 f"(librdkafka's smallest), got {self.kafka_config.get('message.max.bytes')!r}")
 
     @property
     def wait_policy(self) -> "WaitPolicy | None":
@@ -182,12 +199,26 @@ class Settings:
         return policy
 
     @property
+    def kafka_message_max_bytes(self) -> int:
+        """The producer's largest record: ``message.max.bytes`` of delayed_kafka_config, or librdkafka's default."""
+        return int(self.kafka_config.get("message.max.bytes", KAFKA_MESSAGE_MAX_BYTES))
+
+    @property
     def etcd_urls(self) -> list[str]:
         return [u if "://" in u else f"http://{u}" for u in (u.strip() for u in self.etcd_endpoints.split(",")) if u]
 
     def topic(self, queue: str) -> str:
         """The Kafka topic that carries due tasks of a Celery queue."""
         return self.topic_prefix + queue
+
+    def checked_topic(self, queue: str) -> str:
+        """:meth:`topic`, or ValueError when Kafka cannot have a topic of that name (it would never
+        be created, and a task routed there could never be dispatched)."""
+        topic = self.topic(queue)
+        if not queue or not _TOPIC_CHARS.match(queue) or len(topic) > MAX_TOPIC_LENGTH:
+            raise ValueError(f"queue name {queue!r} cannot be a Kafka topic: use letters, digits, '.', '_', '-', "
+                             f"at most {MAX_TOPIC_LENGTH - len(self.topic_prefix)} of them")
+        return topic
 
     def kafka(self, **extra: Any) -> dict[str, Any]:
         """confluent-kafka configuration: servers, user config, then ``extra``."""
@@ -196,6 +227,7 @@ class Settings:
     def __repr__(self) -> str:  # never print secrets
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         shown["redis_url"] = redact_url(self.redis_url)
+        shown["etcd_endpoints"] = ",".join(map(redact_url, self.etcd_urls))
         shown["etcd_password"] = "***" if self.etcd_password else None
         shown["kafka_config"] = {k: ("***" if _SECRET.search(k) else v) for k, v in self.kafka_config.items()}
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
@@ -213,16 +245,19 @@ class WaitPolicy:
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
 _SECRET = re.compile(r"password|secret|key|token", re.I)
+#: A query parameter whose name says it holds a secret (redis-py reads ``?password=``), up to its value.
+_SECRET_PARAM = re.compile(rf"((?:^|[&;])[^=&;#]*(?:{_SECRET.pattern})[^=&;#]*=)[^&;#]*", re.I)
+#: Settings whose raw value may hold a secret: a type error shows only the value's type.
+_SECRET_FIELDS = frozenset({"redis_url", "etcd_endpoints", "etcd_password", "kafka_config"})
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, safe to log."""
+    """``url`` with any password (``user:pw@`` or a ``?password=`` parameter) replaced by ``***``, safe to log."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if parts.password is not None:
+        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}", 1)
+    base, mark, query = url.partition("?")
+    return base + mark + _SECRET_PARAM.sub(r"\1***", query)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -262,5 +297,5 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             raise ValueError(value)
         return value
     except (TypeError, ValueError):
-        shown = "***" if name == "etcd_password" else repr(value)
+        shown = f"a {type(value).__name__} (not shown: it may hold a secret)" if name in _SECRET_FIELDS else repr(value)
         raise ConfigurationError(f"{PREFIX}{name} must be {kind}, got {shown}") from None

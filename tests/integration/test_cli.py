@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from celery_delayed.store import DelayedStore
 
 from .support import ROOT, envelopes, environment
@@ -27,6 +29,21 @@ def test_secret_in_a_bad_redis_url_is_not_printed(overrides):
     done = celery(overrides, "delayed", "status", DELAYED_REDIS_URL="http://user:s3cret@127.0.0.1:6379/0")
     assert done.returncode != 0
     assert "delayed_redis_url must be a redis://" in done.stderr
+    assert "s3cret" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("env, shown", [
+    ({"DELAYED_REDIS_URL": "redis://127.0.0.1:1/0?password=s3cret"},
+     "delayed store at redis://127.0.0.1:1/0?password=*** unavailable"),
+    ({"DELAYED_REDIS_URL": "redis://:s3cret@127.0.0.1:1/0"}, "delayed store at redis://:***@127.0.0.1:1/0 unavailable"),
+    ({"DELAYED_KAFKA_CONFIG": "sasl.password=s3cret"}, "delayed_kafka_config must be Mapping"),
+    ({"DELAYED_ETCD_ENDPOINTS": "ftp://root:s3cret@127.0.0.1:2379"},
+     "delayed_etcd_endpoints must be [http(s)://]host:port[,...], got 'ftp://root:***@127.0.0.1:2379'"),
+])
+def test_no_command_prints_a_secret_of_the_settings(overrides, env, shown):
+    done = celery(overrides, "delayed", "status", **env)
+    assert done.returncode != 0
+    assert shown in done.stderr
     assert "s3cret" not in done.stderr + done.stdout
 
 

@@ -20,6 +20,8 @@ from kombu.exceptions import EncodeError
 
 import celery_delayed
 from celery_delayed import DelayedPublishError, StoreUnavailable, store_of
+from celery_delayed.envelope import Envelope, decode_meta
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from tasks import create_app
 
 from .support import wait_for
@@ -277,6 +279,49 @@ def test_bad_input_is_refused_with_a_clear_error_and_nothing_is_stored(overrides
     with pytest.raises(DelayedPublishError, match="eta 'tomorrow' is not an ISO 8601 time"):
         app.send_task("tasks.demo.add", (1, 1), eta="tomorrow")
     assert sum(r["scheduled"] for r in store.counts()) == 0
+
+
+def test_a_message_kafkas_producer_would_refuse_is_refused_at_apply_time_naming_both_sizes(overrides):
+    app = create_app(**overrides)  # librdkafka's message.max.bytes (1,000,000) under the 1 MiB default
+    big = os.urandom(1_030_000)  # pickled: ~1.03 MB, under delayed_max_message_bytes, incompressible
+    with pytest.raises(DelayedPublishError, match=r"Kafka record of 103\d{4} bytes .* over the producer's "
+                                                  r"message\.max\.bytes=1000000"):
+        app.tasks["tasks.demo.add"].apply_async((big, "x"), countdown=60, serializer="pickle")
+    assert sum(r["scheduled"] for r in store_of(app).counts()) == 0
+
+
+def test_the_largest_message_apply_accepts_is_one_kafka_carries(overrides):
+    limit = 20_000
+    app = create_app(**overrides, delayed_kafka_config={"message.max.bytes": limit},
+                     delayed_compress_min_bytes=10**9)  # never compressed: sizes are exact
+    amqp, settings = app.amqp, store_of(app).settings
+    queue = overrides["task_default_queue"]
+
+    def stored(n: int) -> bytes:
+        task_id = str(uuid.uuid4())
+        return amqp.stored_form(Envelope(task_id=task_id, queue=queue, headers={"task": "tasks.demo.add",
+                                                                                "id": task_id},
+                                         body=b"x" * n, content_type="application/json", content_encoding="utf-8"))
+
+    fits = max(n for n in range(limit - 1000, limit) if _accepted(stored, n))
+    with pytest.raises(DelayedPublishError, match=f"over the producer's message.max.bytes={limit}"):
+        stored(fits + 1)
+    data, now = stored(fits), store_of(app).now_ms()
+    ensure_topics(settings, [queue])
+    producer, reports = make_producer(settings), []
+    producer.produce(settings.topic(queue), key=decode_meta(data)["id"], value=data,
+                     headers=[(DUE_HEADER, str(now)), (CLAIMED_HEADER, str(now))],  # as the poller sends it
+                     on_delivery=lambda err, msg: reports.append(err))
+    producer.flush(30)
+    assert reports == [None]  # the real producer, with that message.max.bytes, delivered it
+
+
+def _accepted(stored, n: int) -> bool:
+    try:
+        stored(n)
+        return True
+    except DelayedPublishError:
+        return False
 
 
 def test_a_store_that_is_down_fails_the_apply(overrides):

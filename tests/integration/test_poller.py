@@ -5,7 +5,9 @@ import base64
 import os
 import signal
 import time
+import uuid
 
+import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from celery_delayed.dlq import DeadLetters
@@ -14,6 +16,7 @@ from celery_delayed.leadership import Leadership, make_etcd
 from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
+from tasks import create_app
 
 from .support import TopicReader, envelopes, leaders, wait_for
 
@@ -25,6 +28,21 @@ def settings_for(overrides: dict, **extra) -> Settings:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def small_topic(settings: Settings, queue: str) -> str:
+    """The queue's topic, created with a broker limit of 1000 bytes per message (``max.message.bytes``)."""
+    topic = settings.topic(queue)
+    admin = AdminClient(settings.kafka())
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[topic].result()
+    return topic
+
+
+def too_big(task_id: str, queue: str) -> bytes:
+    """A stored message that the producer sends and a :func:`small_topic` refuses."""
+    return Envelope(task_id=task_id, queue=queue, headers={"task": "tasks.demo.add", "id": task_id},
+                    body=base64.b64encode(os.urandom(3000)), content_type="application/json",
+                    content_encoding="utf-8").encode()
 
 
 def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
@@ -225,12 +243,8 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
     settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
-    topic = settings.topic(queue)
-    admin = AdminClient(settings.kafka())
-    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "1000"})])[topic].result()
-    big = Envelope(task_id="big", queue=queue, headers={"task": "tasks.demo.add", "id": "big"},
-                   body=base64.b64encode(os.urandom(3000)), content_type="application/json",
-                   content_encoding="utf-8").encode()
+    topic = small_topic(settings, queue)
+    big = too_big("big", queue)
     store.schedule_many([("big", now_ms(), big), *envelopes(5, queue, now_ms())])
     reader = TopicReader(settings, topic)
     processes.poller()
@@ -239,3 +253,35 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
     letter = wait_for(lambda: DeadLetters(store).get("big"), 30, "the refused message in the dead-letter queue")
     assert "Kafka refused the message" in letter.reason and letter.message == big
     wait_for(lambda: store.get("big") is None, 10, "the refused message to leave the store")
+
+
+def test_a_poison_pill_is_dead_lettered_with_a_failure_result_and_the_poller_lives_on(overrides, processes):
+    settings = settings_for(overrides, partitions=1)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    poison = f"poison-{uuid.uuid4()}"  # results are not isolated per test: a fresh id has none
+    deep = b"\x01" + f'{{"id":"{poison}","q":"{queue}","h":'.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}\n{}"
+    store.schedule_many([(poison, now_ms(), deep), *envelopes(10, queue, now_ms())])
+    poller = processes.poller()
+    assert len(reader.read_until(10, timeout=30)) == 10
+    reader.close()
+    letter = wait_for(lambda: DeadLetters(store).get(poison), 10, "the poison pill in the dead-letter queue")
+    assert letter.source == "poller" and "undecodable" in letter.reason and letter.message == deep
+    result = create_app(**overrides).AsyncResult(poison)
+    result.get(timeout=10, propagate=False)  # a waiter wakes up...
+    assert result.state == "FAILURE"  # ...with the reason
+    assert type(result.result).__name__ == "DeadLettered" and "undecodable stored message" in str(result.result)
+    assert poller.poll() is None, "the poller died:\n" + processes.log(poller)[-3000:]
+    assert store.get(poison) is None
+
+
+def test_a_task_kafka_refuses_fails_its_result_instead_of_hanging(overrides, processes):
+    app = create_app(**overrides)
+    small_topic(settings_for(overrides), overrides["task_default_queue"])
+    refused = app.tasks["tasks.demo.add"].apply_async((base64.b64encode(os.urandom(3000)).decode(), "x"),
+                                                       countdown=1.5)
+    processes.poller()
+    with pytest.raises(Exception, match="dead-lettered by the poller: Kafka refused the message"):
+        refused.get(timeout=60)
+    assert refused.state == "FAILURE"

@@ -167,6 +167,8 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     assert garbage.source == "worker" and "undecodable message" in garbage.reason
     nope = wait_for(lambda: letters.get(unknown.id), 20, "the unknown task in the dead-letter queue")
     assert "unknown task 'tasks.demo.nope'" in nope.reason
+    unknown.get(timeout=20, propagate=False)  # its waiter wakes up with the reason
+    assert unknown.state == "FAILURE" and "dead-lettered by the worker: unknown task" in str(unknown.result)
 
 
 def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, processes):

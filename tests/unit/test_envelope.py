@@ -52,3 +52,11 @@ def test_partition_is_stable_and_spread():
     assert partition_of("5f1c-uuid", 1) == 0
     seen = {partition_of(f"id-{i}", 8) for i in range(200)}
     assert seen == set(range(8))
+
+
+def test_meta_nested_deeper_than_the_parser_goes_is_an_envelope_error():
+    deep = b"\x01" + b'{"id":"x","q":"celery","h":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n{}"
+    with pytest.raises(EnvelopeError, match="envelope meta is not JSON"):
+        decode_meta(deep)
+    with pytest.raises(EnvelopeError, match="envelope meta is not JSON"):
+        Envelope.decode(deep)

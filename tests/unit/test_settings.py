@@ -132,3 +132,42 @@ def test_bad_schedule_wait_is_refused(value):
 def test_schedule_wait_is_refused_on_a_redis_cluster():
     with pytest.raises(ConfigurationError, match="delayed_schedule_wait is not supported on a Redis Cluster"):
         Settings.from_mapping({"schedule_wait": "replicas=1", "redis_cluster": True})
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://h:1/0?password=hunter6&db=2", "redis://h:1/0?password=***&db=2"),
+    ("unix:///tmp/redis.sock?db=1&password=hunter6", "unix:///tmp/redis.sock?db=1&password=***"),
+    ("rediss://u:hunter6@h/0?ssl_keyfile=/k&Password=hunter6", "rediss://u:***@h/0?ssl_keyfile=***&Password=***"),
+    ("http://root:hunter6@etcd:2379", "http://root:***@etcd:2379"),
+])
+def test_redact_url_hides_passwords_in_user_info_and_query(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_secrets_in_urls_never_show_in_repr():
+    s = Settings.from_mapping({"redis_url": "redis://127.0.0.1:6379/0?password=hunter7",
+                               "etcd_endpoints": "http://root:hunter8@a:2379,http://b:2379,root:hunter8@c:2379"})
+    text = repr(s)
+    assert "hunter" not in text
+    assert "redis://127.0.0.1:6379/0?password=***" in text
+    assert "http://root:***@a:2379,http://b:2379,http://root:***@c:2379" in text
+
+
+@pytest.mark.parametrize("name, value", [
+    ("kafka_config", "sasl.password=hunter9"),
+    ("redis_url", b"redis://:hunter9@h/0"),
+    ("redis_url", "http://h/0?password=hunter9"),
+    ("etcd_endpoints", "ftp://root:hunter9@a:2379"),
+    ("etcd_endpoints", ["http://root:hunter9@a:2379", 7]),
+])
+def test_configuration_errors_never_echo_secrets(name, value):
+    with pytest.raises(ConfigurationError, match=f"delayed_{name}") as err:
+        Settings.from_mapping({name: value})
+    assert "hunter9" not in str(err.value)
+
+
+def test_kafka_message_limit_is_librdkafkas_default_or_the_configured_one():
+    assert Settings().kafka_message_max_bytes == 1_000_000
+    assert Settings.from_mapping({"kafka_config": {"message.max.bytes": "20000"}}).kafka_message_max_bytes == 20_000
+    with pytest.raises(ConfigurationError, match=r"message.max.bytes must be an integer >= 1000.*'big'"):
+        Settings.from_mapping({"kafka_config": {"message.max.bytes": "big"}})

@@ -27,7 +27,7 @@ from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
-from .once import FROM_KAFKA
+from .once import FROM_KAFKA, attempt_of
 from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
 from .store import STORE_ERRORS, DelayedStore, Stored
@@ -183,7 +183,7 @@ class _StoreProducer:
         The retry of a task that runs from Kafka is retried until it is stored:
         given up, Celery would fail the task for good (``Task.retry`` turns the
         error into ``Reject(requeue=False)``), while the task was never done.
-        A retry (``retries`` > 0) replaces a copy of the task still scheduled.
+        A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
         """
         own_retry = _is_own_retry(envelope)
         store = self._amqp.delayed_store
@@ -196,7 +196,7 @@ class _StoreProducer:
 
         outcome = retry_over_time(
             store.schedule, STORE_ERRORS if retry or own_retry else (), args=(envelope.task_id, self._due_ms, stored),
-            kwargs={"replace": bool(envelope.headers.get("retries"))}, errback=on_error,
+            kwargs={"attempt": attempt_of(envelope.headers)}, errback=on_error,
             max_retries=None if own_retry else policy.get("max_retries", 3),
             interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
             interval_max=max(policy.get("interval_max", 0.2), OWN_RETRY_MAX_INTERVAL if own_retry else 0))

@@ -74,6 +74,11 @@ class RunClaims:
                 self._held.add(task_id)
         return wait_ms
 
+    def forget(self, task_id: str) -> None:
+        """Stop extending a claim without giving it up: it lapses after its lease, unless released."""
+        with self._lock:
+            self._held.discard(task_id)
+
     def release(self, task_id: str) -> None:
         """Give a claim up; if Redis cannot be told, the claim simply expires after its lease."""
         with self._lock:
@@ -157,6 +162,12 @@ def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
         for kind in ("done", "revoked"):  # one key per DEL: a cluster pipeline refuses several
             pipe.delete(task_key(store.settings.key_prefix, kind, task_id))
     store.execute(pipe)
+
+
+def attempt_of(headers: dict) -> int:
+    """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
+    retries = headers.get("retries") if isinstance(headers, dict) else None
+    return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
 
 
 def finished(backend, task_id: str) -> bool:

@@ -10,6 +10,7 @@ Redis Cluster slot):
 - ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms), also the claim's stamp
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
 - ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
+- ``<prefix>:{p}:attempt``  HASH id -> attempt number of the stored copy, for retries only
 - ``<prefix>:layout``        what every process must agree on: partitions, bucket
   width, format version (:meth:`DelayedStore.check_layout`)
 
@@ -106,7 +107,7 @@ class Stored(str, Enum):
     """What :meth:`DelayedStore.schedule` did with a task."""
 
     ADDED = "added"  # the id was new to the store
-    REPLACED = "replaced"  # a copy in flight (or, replacing, a scheduled one) gave way to it
+    REPLACED = "replaced"  # an older attempt, or the same one in flight, gave way to it
     KEPT = "kept"  # the copy already scheduled stays; this one was not stored
 
 
@@ -210,23 +211,26 @@ class DelayedStore:
         return [self.key(partition, "buckets"), self.key(partition, "msg"), self.key(partition, "inflight")]
 
     # -- scheduling ----------------------------------------------------------
-    def schedule(self, task_id: str, due_ms: int, data: bytes, replace: bool = False) -> Stored:
-        """Store one task (``data`` as :meth:`DelayedAMQP.stored_form` makes it); says what became of it.
+    def schedule(self, task_id: str, due_ms: int, data: bytes, attempt: int = 0) -> Stored:
+        """Store one task (``data`` as :meth:`DelayedAMQP.stored_form` makes it), attempt number
+        ``attempt`` (Celery's ``retries``) of its id; says what became of it.
 
-        A copy already in flight is always replaced; one still scheduled only
-        when ``replace`` (a newer attempt of the task: a retry).
+        A newer attempt replaces the stored copy; the same attempt replaces only
+        a copy in flight (being dispatched); an older one replaces nothing (see
+        ``lua/schedule.lua``).
         """
         added, replaced, _ = self._schedule_replies(self._send(next(self._schedule_pipelines(
-            [(task_id, due_ms, data)], replace))[0]))
+            [(task_id, due_ms, data)], attempt))[0]))
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
     def schedule_many(self, items: Iterable[tuple[str, int, bytes]],
-                      progress: Callable[[int], None] | None = None, replace: bool = False) -> int:
-        """Store ``(task_id, due_ms, envelope_bytes)`` items in bulk; returns how many were stored.
+                      progress: Callable[[int], None] | None = None) -> int:
+        """Store ``(task_id, due_ms, envelope_bytes)`` items (first attempts) in bulk; returns how
+        many were stored.
 
         An id the store already holds keeps its stored copy while that one is
-        scheduled (unless ``replace``); a copy in flight (being dispatched) is
-        always replaced, so the newer copy survives that dispatch's ack.
+        scheduled; a copy in flight (being dispatched) of the first attempt is
+        replaced, so the newer copy survives that dispatch's ack.
 
         ``items`` may be any iterable, millions long: it is consumed in batches of
         :data:`SCHEDULE_BATCH`, each grouped by partition and sent as one pipeline
@@ -240,7 +244,7 @@ class DelayedStore:
         A bad item raises ``ValueError`` naming it before its batch is written
         (earlier batches stay stored); each task is stored whole or not at all.
         """
-        pipelines = self._schedule_pipelines(items, replace)
+        pipelines = self._schedule_pipelines(items)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
             return sum(self._stored(self._send(pipe), size, progress) for pipe, size in pipelines)
         added = 0
@@ -254,7 +258,7 @@ class DelayedStore:
                 added += self._stored(future.result(), size, progress)
         return added
 
-    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]], replace: bool
+    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]], attempt: int = 0
                             ) -> Iterator[tuple[redis.client.Pipeline, int]]:
         """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size."""
         done = 0
@@ -266,14 +270,13 @@ class DelayedStore:
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
                 by_partition.setdefault(self.partition(task_id), []).extend(
-                    (member_of(task_id), due_ms, _BUCKET.pack(bucket_of(due_ms)) + data))
+                    (member_of(task_id), due_ms, attempt, _BUCKET.pack(bucket_of(due_ms)) + data))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
-                for start in range(0, len(flat), SCHEDULE_CHUNK * 3):
-                    self._scripts["schedule"](keys=self._keys(p),
+                for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
+                    self._scripts["schedule"](keys=[*self._keys(p), self.key(p, "attempt")],
                                               args=[self.wake_channel, self.key(p, "t:"),
-                                                    "replace" if replace else "keep",
-                                                    *flat[start:start + SCHEDULE_CHUNK * 3]],
+                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
                                               client=pipe)
             self._wait_durable(pipe)
             done += len(batch)
@@ -340,7 +343,8 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         for task_id in ids:
             p = self.partition(task_id)
-            self._scripts["cancel"](keys=self._keys(p), args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
+            self._scripts["cancel"](keys=[*self._keys(p), self.key(p, "attempt")],
+                                    args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
         return dict(zip(ids, self.execute(pipe)))
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
@@ -473,7 +477,8 @@ class DelayedStore:
         Only a copy still in flight under that claim is forgotten; a newer copy
         scheduled meanwhile, or a later claim, stays.
         """
-        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg")], _pairs(claimed))
+        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg"),
+                                  self.key(partition, "attempt")], _pairs(claimed))
 
     def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000) -> int:
         """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, their delivery having

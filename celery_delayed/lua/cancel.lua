@@ -4,7 +4,7 @@
 -- from the first 4 bytes of its message; if it was the bucket's earliest, the
 -- index gets the bucket's new earliest due time (or loses the emptied bucket).
 --
--- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] attempt HASH
 -- ARGV[1] bucket key prefix   ARGV[2] task id
 -- Returns the removed task's envelope, 0 when unknown, -1 when in flight.
 local message = redis.call('HGET', KEYS[2], ARGV[2])
@@ -14,6 +14,7 @@ local bucket = struct.unpack('>I4', message)
 local key = ARGV[1] .. bucket
 redis.call('ZREM', key, ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[2])
 local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
 if rest[2] then redis.call('ZADD', KEYS[1], rest[2], bucket) else redis.call('ZREM', KEYS[1], bucket) end
 return string.sub(message, 5)

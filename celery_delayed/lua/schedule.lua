@@ -1,11 +1,13 @@
--- Schedule tasks in one partition. What happens to an id the store already holds:
---  * in flight (a poller claimed it): the new copy replaces it and the claim is
---    dropped, so the old copy's ack or nack (which remove only what they claimed,
---    see ack.lua) cannot delete the new one: a retry or put-back racing the
---    poller's ack always lands;
---  * scheduled, and ARGV[3] is 'replace' (a retry: a newer attempt): the new copy
---    replaces it, moving to the bucket of its own due time;
---  * scheduled, otherwise: the stored copy is kept (callers may safely retry).
+-- Schedule tasks in one partition. Each copy carries its attempt number (Celery's
+-- `retries`); KEYS[4] keeps it for ids past their first attempt. What happens to
+-- an id the store already holds:
+--  * a newer attempt (a retry) replaces it, in flight or scheduled, moving to the
+--    bucket of its own due time;
+--  * the same attempt replaces a copy in flight (a put-back or requeue racing the
+--    poller's ack), and the claim is dropped, so that copy's ack or nack (which
+--    remove only what they claimed, see ack.lua) cannot delete the new one; a copy
+--    still scheduled is kept (callers may safely retry);
+--  * an older attempt (a late duplicate) never replaces anything.
 -- Within one call, the first copy of an id wins.
 -- Each task goes to the small sorted set of its time bucket; the bucket index
 -- keeps each bucket's earliest due time (ZADD LT). The client sends every
@@ -19,35 +21,45 @@
 -- woken (PUBLISH) so they need not wait for their current sleep to end.
 --
 -- KEYS[1] bucket index ZSET (bucket start s -> earliest due ms)   KEYS[2] msg HASH   KEYS[3] inflight ZSET
--- ARGV[1] wake channel   ARGV[2] bucket key prefix   ARGV[3] 'replace' or 'keep'
--- then triples: task_id, due_ms, bucket start (4 bytes) + envelope (at most 256: unpack() has limits)
+-- KEYS[4] attempt HASH (id -> attempt number, for attempts after the first)
+-- ARGV[1] wake channel   ARGV[2] bucket key prefix
+-- then quads: task_id, due_ms, attempt, bucket start (4 bytes) + envelope (at most 256: unpack() has limits)
 -- Returns {added, replaced, kept}: new ids, ids whose stored copy was replaced, ids kept as stored.
-local index_key, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
-local channel, prefix, replace = ARGV[1], ARGV[2], ARGV[3] == 'replace'
+local index_key, msgs, inflight, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local channel, prefix = ARGV[1], ARGV[2]
 local ids = {}
-for i = 4, #ARGV, 3 do ids[#ids + 1] = ARGV[i] end
+for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
 if #ids == 0 then return {0, 0, 0} end
 local stored = redis.call('HMGET', msgs, unpack(ids))
 local seen, messages, buckets, order, earliest = {}, {}, {}, {}, nil
-local superseded, moved, kept = {}, {}, 0
+local superseded, moved, kept, numbered = {}, {}, 0, {}
 for n, id in ipairs(ids) do
+  local due, attempt, message = ARGV[4 * n], tonumber(ARGV[4 * n + 1]), ARGV[4 * n + 2]
   local take = false
   if seen[id] then
     kept = kept + 1
   elseif not stored[n] then
     take = true
-  elseif redis.call('ZSCORE', inflight, id) then
-    take = true
-    superseded[#superseded + 1] = id
-  elseif replace then
-    take = true
-    moved[#moved + 1] = {id, struct.unpack('>I4', stored[n]), struct.unpack('>I4', ARGV[3 * n + 3])}
   else
-    kept = kept + 1
+    local held = tonumber(redis.call('HGET', attempts, id) or '0')
+    local flying = redis.call('ZSCORE', inflight, id)
+    if attempt > held or (attempt == held and flying) then
+      take = true
+      if flying then
+        superseded[#superseded + 1] = id
+      else
+        moved[#moved + 1] = {id, struct.unpack('>I4', stored[n]), struct.unpack('>I4', message)}
+      end
+    else
+      kept = kept + 1
+    end
   end
   seen[id] = true
   if take then
-    local due, message = ARGV[3 * n + 2], ARGV[3 * n + 3]
+    if attempt > 0 then
+      numbered[#numbered + 1] = id
+      numbered[#numbered + 1] = attempt
+    end
     local bucket = struct.unpack('>I4', message)
     local members = buckets[bucket]
     if members == nil then
@@ -77,6 +89,7 @@ for _, bucket in ipairs(order) do
 end
 redis.call('ZADD', index_key, 'LT', unpack(index))
 redis.call('HSET', msgs, unpack(messages))
+if #numbered > 0 then redis.call('HSET', attempts, unpack(numbered)) end
 for _, id in ipairs(superseded) do redis.call('ZREM', inflight, id) end
 -- a moved copy leaves its old bucket (unless its ZADD above just moved it within
 -- it), and that bucket's index entry becomes its earliest remaining due time

@@ -126,17 +126,37 @@ def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_
         assert store.schedule(task_id, due, first) is Stored.ADDED
         claimed = store.claim(p, token=1, limit=10)
         assert [item[0] for item in claimed.items] == [task_id]
-        assert store.schedule(task_id, now_ms() + 60_000, second) is Stored.REPLACED  # the retry, 60 s on
+        assert store.schedule(task_id, now_ms() + 60_000, second, attempt=1) is Stored.REPLACED  # the retry, 60 s on
         assert getattr(store, settle)(p, [(task_id, claimed.stamp)]) == 0
         info = store.get(task_id)
         assert info is not None, f"the old copy's {settle} deleted the newer copy"
         assert info["state"] == "scheduled" and info["due_ms"] >= due + 60_000 and store.message(task_id) == second
         # a plain duplicate of a scheduled task keeps the stored copy, and says so; a retry replaces it
         assert store.schedule(task_id, due, third) is Stored.KEPT and store.message(task_id) == second
-        assert store.schedule(task_id, due + 5, third, replace=True) is Stored.REPLACED
+        assert store.schedule(task_id, due + 5, third, attempt=2) is Stored.REPLACED  # a newer attempt replaces
         assert store.get(task_id)["due_ms"] == due + 5 and store.message(task_id) == third
         assert [r["scheduled"] for r in store.counts() if r["partition"] == p] == [1]
         assert store.cancel(task_id) == 1
+
+
+def test_a_late_copy_of_an_older_attempt_never_replaces_a_newer_one(store):
+    """A worker puts back a late duplicate of attempt 0 (its run claim was still held) while
+    attempt 1 is in flight, then attempt 1's delivery fails: attempt 1 must still be the one
+    stored, or it would never run (attempt 0 is refused as finished)."""
+    (_, _, first), (_, _, retry) = envelopes(2, "q", 0)
+    task_id, due = "attempts", now_ms() - 10
+    p = store.partition(task_id)
+    assert store.schedule(task_id, due, first) is Stored.ADDED
+    store.claim(p, token=1, limit=10)
+    assert store.schedule(task_id, due, retry, attempt=1) is Stored.REPLACED  # attempt 0 ran and retried
+    claim = store.claim(p, token=1, limit=10)
+    assert [item[2] for item in claim.items] == [retry]
+    assert store.schedule(task_id, due, first, attempt=0) is Stored.KEPT  # the late put-back of attempt 0
+    assert store.nack(p, [(task_id, claim.stamp)], delay_ms=0) == 1
+    assert store.message(task_id) == retry and store.get(task_id)["state"] == "scheduled"
+    again = store.claim(p, token=1, limit=10)
+    assert store.ack(p, [(task_id, again.stamp)]) == 1
+    assert store.redis.hlen(store.key(p, "attempt")) == 0  # forgotten with the task
 
 
 def test_reschedule_to_the_front_wakes_the_pollers(store):

@@ -39,7 +39,10 @@ for _, id in ipairs(expired) do
   redis.call('ZREM', KEYS[3], id)
 end
 
-local deadline = math.max(now + tonumber(ARGV[3]), tonumber(redis.call('GET', KEYS[5]) or '0') + 1)
+-- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)
+local deadline = now + tonumber(ARGV[3])
+local last = tonumber(redis.call('GET', KEYS[5]) or '0')
+if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', KEYS[5], deadline)
 local out = {now, -1, deadline}
 local left = limit

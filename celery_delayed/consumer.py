@@ -22,9 +22,9 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
-from celery.exceptions import InvalidTaskError
-from confluent_kafka import Consumer, TopicPartition
-from kombu.exceptions import ContentDisallowed, DecodeError
+from celery.exceptions import BackendError
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from kombu.exceptions import OperationalError
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
@@ -34,7 +34,7 @@ from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, finished
+from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, attempt_of, finished
 from .revoke import record_revoked
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, iso_of
@@ -50,8 +50,9 @@ MAX_POLL_GAP = 60.0
 #: Records of one Kafka partition read and not yet committable (settled ones behind a task
 #: still running) at which that partition is paused; each would run again if the worker died.
 MAX_UNCOMMITTED = 10_000
-#: What Celery's strategy raises for a message that can never run (as its own consumer sorts them).
-MESSAGE_ERRORS = (InvalidTaskError, ContentDisallowed, DecodeError, TypeError, ValueError, KeyError)
+#: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
+#: Anything else Celery's strategy raises is about the message itself, which can never run.
+TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 #: Longest a stopped feed keeps committing for tasks still in hand (s).
 DRAIN_TIMEOUT = 60.0
 
@@ -136,7 +137,10 @@ class KafkaFeed:
             logger.warning("task_acks_late and task_reject_on_worker_lost are not both on: a task is "
                            "acknowledged when it starts, so a worker killed mid-task loses it")
         worker_preflight(self.store)
-        ensure_topics(self.settings, self.queues)
+        try:
+            ensure_topics(self.settings, self.queues)
+        except KafkaException as exc:  # a restart while Kafka is down: subscribe anyway, read once it is back
+            logger.warning("cannot check the Kafka topics of %s now (%s); consuming once they answer", self.queues, exc)
         self._consumer = Consumer(self.settings.kafka(**{
             "group.id": self.settings.consumer_group,
             "enable.auto.commit": False,
@@ -163,16 +167,22 @@ class KafkaFeed:
         ``worker_shutdown`` (sent after the pool stopped), whichever is first.
         Celery drops the requests it had reserved but not started when its
         consumer stops (a broker reconnect): those are never settled, so they
-        are not waited for; their records are read again by the next consumer.
+        are not waited for; their records are read again by the next consumer
+        (and wait for their lapsed run claims).
         """
         running = {request.id for request in worker_state.active_requests}
         self._draining = self._in_hand & running
-        for task_id in self._in_hand - running:  # their claims would block the copies read again
-            self._release(task_id)
+        # The others were dropped by Celery (prefork), or may still run (a threads pool's queue):
+        # their claims are no longer extended, so they lapse after the run lease unless the task
+        # settles first; a copy read again meanwhile waits in the store, and runs once.
+        for task_id in self._in_hand - running:
+            self._in_hand.discard(task_id)
+            self.claims.forget(task_id)
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
-        self._wakeup.unwatch()
+        if self._wakeup is not None:  # None: start() failed before the loop was watched
+            self._wakeup.unwatch()
 
     def close(self) -> None:
         """Commit what is settled and leave the consumer group now."""
@@ -343,7 +353,7 @@ class KafkaFeed:
         if finished(self.c.app.backend, task_id):
             self._skip_finished(task_id, partition, offset)
             return
-        wait_ms = self.claims.acquire(task_id, _attempt(headers))
+        wait_ms = self.claims.acquire(task_id, attempt_of(headers))
         if wait_ms == REVOKED:
             logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
             record_revoked(self.c.app, task_id, envelope, reason="revoked")
@@ -355,7 +365,7 @@ class KafkaFeed:
             return
         if wait_ms:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()
-            self._put_back(task_id, record.value(), wait_ms)
+            self._put_back(task_id, record.value(), attempt_of(headers), wait_ms)
             self._settle(partition, offset)
             return
         self._in_hand.add(task_id)
@@ -397,33 +407,36 @@ class KafkaFeed:
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
             self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
-                self._requeue(task_id, record.value(), partition, offset)
+                self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
             else:
                 self._settle(partition, offset)
 
         try:
             strategy(message, None, on_ack, on_reject, self.c.on_task_message)
-        except MESSAGE_ERRORS as exc:
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as exc:
             raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
 
-    def _requeue(self, task_id: str, data: bytes, partition: PartitionOffsets, offset: int) -> None:
+    def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
         """Put a rejected task back in the store, then settle it; while the store is down, try
         again every second (unsettled meanwhile: a crash reads it again from Kafka)."""
         try:
-            self._put_back(task_id, data)
+            self._put_back(task_id, data, attempt)
         except STORE_ERRORS as exc:
             logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)
-            self.c.hub.call_later(1.0, self._requeue, task_id, data, partition, offset)
+            self.c.hub.call_later(1.0, self._requeue, task_id, data, attempt, partition, offset)
             return
         self._settle(partition, offset)
 
-    def _put_back(self, task_id: str, data: bytes, delay_ms: int = 0) -> None:
+    def _put_back(self, task_id: str, data: bytes, attempt: int, delay_ms: int = 0) -> None:
         """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers').
 
-        A copy the store still holds scheduled is kept (it runs anyway); one in
-        flight gives way to this one (see :meth:`.DelayedStore.schedule`).
+        A copy of a newer attempt is kept, and so is one of the same attempt still
+        scheduled (it runs anyway); an older one, or the same attempt in flight,
+        gives way to this one (see :meth:`.DelayedStore.schedule`).
         """
-        self.store.schedule(task_id, self.store.now_ms() + delay_ms, data)
+        self.store.schedule(task_id, self.store.now_ms() + delay_ms, data, attempt)
 
     def _release(self, task_id: str) -> None:
         self._in_hand.discard(task_id)
@@ -510,9 +523,3 @@ def _record_headers(record: Any) -> dict[str, int]:
             except (TypeError, ValueError):  # not ours after all: timing is information only
                 pass
     return found
-
-
-def _attempt(headers: dict) -> int:
-    """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
-    retries = headers.get("retries")
-    return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0

@@ -1,6 +1,7 @@
 """The worker side with real worker processes: offsets, crashes, duplicates, poison."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -169,6 +170,25 @@ def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(ove
     assert "unknown task 'tasks.demo.nope'" in nope.reason
     unknown.get(timeout=20, propagate=False)  # its waiter wakes up with the reason
     assert unknown.state == "FAILURE" and "dead-lettered by the worker: unknown task" in str(unknown.result)
+
+
+def test_a_message_celery_cannot_build_a_request_from_is_dead_lettered_not_retried_for_ever(overrides, processes):
+    """Properties that are not an object make Celery's Request raise AttributeError: the message
+    can never run, so it is parked, and the records behind it on the partition still run."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    producer, topic = kafka_queue(app)
+    bad, stored = taken_out(app, "tasks.demo.add", (1, 2))
+    envelope = Envelope.decode(stored)
+    meta = {"id": envelope.task_id, "q": envelope.queue, "h": envelope.headers, "ct": envelope.content_type,
+            "ce": envelope.content_encoding, "p": ["not", "an", "object"]}
+    producer.produce(topic, key=envelope.task_id, value=json.dumps(meta).encode() + b"\n" + envelope.body)
+    producer.flush(10)
+    processes.worker("w1")
+    processes.poller()
+    assert due_in(app, "tasks.demo.add", (20, 22)).get(timeout=60) == 42
+    letter = wait_for(lambda: DeadLetters(store_of(app)).get(bad.id), 20, "the bad message in the dead-letter queue")
+    assert "invalid task message" in letter.reason
 
 
 def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, processes):

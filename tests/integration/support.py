@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -216,56 +215,3 @@ class Starver:
     def close(self) -> None:
         self._done.set()
         self._thread.join(timeout=10)
-
-
-class Proxy:
-    """A TCP forwarder on loopback between one client and a server, to cut that client off alone
-    (a network fault for one process): :meth:`cut` drops its connections and refuses new ones."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="proxy", daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # cut
-                return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        self._listener.close()
-        with self._lock:
-            for s in self._sockets:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()

@@ -256,7 +256,8 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
 
 
 def test_a_poison_pill_is_dead_lettered_with_a_failure_result_and_the_poller_lives_on(overrides, processes):
-    settings = settings_for(overrides, partitions=1)
+    overrides.update(delayed_partitions=1)
+    settings = settings_for(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))

@@ -144,6 +144,21 @@ def cleanup(settings: Settings, topics: Sequence[str]) -> None:
     delete_topics(settings, topics)
 
 
+def versions(settings: Settings) -> dict[str, str]:
+    """Versions of the servers (Redis, etcd, Kafka) and client libraries a run used, for its report."""
+    import celery
+    import confluent_kafka
+    import kombu
+
+    services = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
+    jars = sorted((services / "kafka" / "libs").glob("kafka-server-[0-9]*.jar"))
+    return {"redis": connect(settings).info("server")["redis_version"],
+            "etcd": make_etcd(settings).status().version,
+            "kafka": jars[-1].stem.rsplit("-", 1)[1] if jars else "unknown",
+            "celery": celery.__version__, "kombu": kombu.__version__,
+            "confluent-kafka": f"{confluent_kafka.__version__} (librdkafka {confluent_kafka.libversion()[0]})"}
+
+
 # -- CPU accounting (Linux /proc) --------------------------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK")
 #: How to recognise the local servers' processes by their command line.

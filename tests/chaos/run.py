@@ -5,6 +5,7 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -79,6 +80,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the chaos suite; 0 when every ledger check passed."""
     args = parse(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _terminate)  # a SIGTERM still stops the run's pollers and workers
     name = "quick" if args.quick else "full"
     profile = PROFILES[name]
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
@@ -110,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{'PASS' if ok else '[red]FAIL[/]'}: {check_name}")
     console.print(f"wall time {run_info['wall_s']:.0f} s; report in {folder}")
     return 0 if result["verdict"]["ok"] else 1
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class Run:

@@ -79,14 +79,16 @@ def recovery_s(fault: Injected, on_time: list[tuple[int, bool]], load_end_ms: in
     return None
 
 
-def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected]) -> tuple[list[Planned], dict[str, Any]]:
-    """Tasks (not revoked) whose final attempt never ran, each with the fault it is put down to."""
+def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected], pending: set[str]
+          ) -> tuple[list[Planned], dict[str, Any]]:
+    """Tasks (not revoked) whose final attempt never ran and that are not ``pending`` (still in the store
+    or on Kafka when the run ended), each with the fault it is put down to."""
     attempts = defaultdict(dict)
     for task_id, attempt, _, start_ms, _ in runs:
         attempts[task_id].setdefault(attempt, start_ms)
     lost, blame = [], {}
     for task in tasks:
-        if task.role == "revoke" or task.final_attempt in attempts[task.task_id]:
+        if task.role == "revoke" or task.final_attempt in attempts[task.task_id] or task.task_id in pending:
             continue
         lost.append(task)
         first = attempts[task.task_id].get(0)
@@ -106,7 +108,8 @@ def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected]) -> tu
 
 def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int], effect_attempts: dict[str, int],
             absorbed: int, deliveries: list[tuple[str, int, int]], faults: list[Injected],
-            dead_letters: set[str], leftovers: dict[str, int], lag: dict[str, int]) -> dict[str, Any]:
+            dead_letters: set[str], leftovers: dict[str, int], lag: dict[str, int], in_store: set[str],
+            on_kafka: set[str]) -> dict[str, Any]:
     """The verdict of a run and the per-fault table (see the module doc of :mod:`tests.chaos`)."""
     rows = {name: Row(name) for name in dict.fromkeys(f.name for f in faults)}
     rows["(no fault)"] = Row("(no fault)")
@@ -115,7 +118,10 @@ def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int]
 
     by_id = {t.task_id: t for t in tasks}
     _count_duplicates(rows, faults, runs, deliveries, effect_rows)
-    lost, why = _lost(tasks, runs, faults)
+    done = {(r[0], r[1]) for r in runs}
+    unfinished = {t.task_id for t in tasks if t.role != "revoke" and (t.task_id, t.final_attempt) not in done}
+    pending = unfinished & (in_store | on_kafka)
+    lost, why = _lost(tasks, runs, faults, pending)
     for task_id, (fault, reason) in why.items():
         row = rows.get(fault, rows["(no fault)"])
         row.lost += 1
@@ -124,8 +130,10 @@ def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int]
     on_time = sorted((due_ms, start_ms - due_ms <= ON_TIME_MS) for _, _, _, start_ms, due_ms in firsts(runs))
     for fault in faults:
         rows[fault.name].recovery_s.append(recovery_s(fault, on_time, load_end) if on_time else None)
-    return _verdict(by_id, runs, effect_rows, effect_attempts, absorbed, dead_letters, leftovers, lag, lost, rows,
-                    len(deliveries))
+    verdict = _verdict(by_id, runs, effect_rows, effect_attempts, absorbed, dead_letters, leftovers, lag, lost,
+                       rows, len(deliveries))
+    verdict["unfinished"] = {"in_store": len(unfinished & in_store), "on_kafka": len(unfinished & on_kafka - in_store)}
+    return verdict
 
 
 def _count_duplicates(rows: dict[str, Row], faults: list[Injected], runs: list[tuple],

@@ -58,7 +58,9 @@ down to the fault that started last before it.
 {result['executions']} executions; side effects: {effects['tasks']} tasks, {effects['rows']} rows,
 {effects['attempts']} attempts to write one ({effects['absorbed_by_key']} absorbed by the idempotency key);
 dead-letter queue: {dlq['held']} held, {dlq['meant_to_fail']} meant to fail; store left
-{result['store_left']}; consumer lag {result['consumer_lag']}.
+{result['store_left']}; consumer lag {result['consumer_lag']}. Not run when the run ended, but not lost
+(so not counted as lost above): {result['unfinished']['in_store']} still in the store,
+{result['unfinished']['on_kafka']} on Kafka past the workers' committed offsets.
 
 ## Faults as injected
 

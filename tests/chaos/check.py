@@ -35,6 +35,7 @@ class Row:
     duplicate_runs: int = 0
     duplicate_effects: int = 0
     recovery_s: list[float | str | None] = field(default_factory=list)
+    dispatch_recovery_s: list[float | str | None] = field(default_factory=list)
 
 
 def nearest_before(faults: list[Injected], t_ms: int) -> Injected | None:
@@ -128,12 +129,28 @@ def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int]
         row.lost_why.append(reason)
     load_end = max(t.new_due_ms or t.due_ms for t in tasks)
     on_time = sorted((due_ms, start_ms - due_ms <= ON_TIME_MS) for _, _, _, start_ms, due_ms in firsts(runs))
+    dispatched = _dispatched_on_time(tasks, runs, deliveries)
     for fault in faults:
         rows[fault.name].recovery_s.append(recovery_s(fault, on_time, load_end) if on_time else None)
+        rows[fault.name].dispatch_recovery_s.append(recovery_s(fault, dispatched, load_end) if dispatched else None)
     verdict = _verdict(by_id, runs, effect_rows, effect_attempts, absorbed, dead_letters, leftovers, lag, lost,
                        rows, len(deliveries))
     verdict["unfinished"] = {"in_store": len(unfinished & in_store), "on_kafka": len(unfinished & on_kafka - in_store)}
     return verdict
+
+
+def _dispatched_on_time(tasks: list[Planned], runs: list[tuple], deliveries: list[tuple[str, int, int]]
+                        ) -> list[tuple[int, bool]]:
+    """``(due_ms, put on Kafka within ON_TIME_MS)`` of the first Kafka record of each (task id, attempt)
+    whose due time is known (a first attempt, or a retry whose first attempt recorded it), by due time:
+    dispatch as the poller does it, whatever backlog the workers have."""
+    due = {(t.task_id, 0): t.new_due_ms or t.due_ms for t in tasks}
+    due.update({(r[0], r[1]): r[4] for r in runs if r[1] and r[4] is not None})
+    first: dict[tuple[str, int], int] = {}
+    for task_id, retries, ts_ms in deliveries:
+        key = (task_id, retries)
+        first[key] = min(ts_ms, first.get(key, ts_ms))
+    return sorted((due[key], ts - due[key] <= ON_TIME_MS) for key, ts in first.items() if key in due)
 
 
 def _count_duplicates(rows: dict[str, Row], faults: list[Injected], runs: list[tuple],

@@ -199,7 +199,7 @@ def _verdict(by_id: dict[str, Planned], runs: list[tuple], effect_rows: dict[str
     meant_to_fail = {t for t, p in by_id.items() if p.kind == "fail"}
     unknown = sorted({r[0] for r in runs} - set(by_id))
     checks = {
-        "every task ran (final attempt)": not lost,
+        "no task lost (its final attempt ran, or it is still in the store or on Kafka)": not lost,
         "side effects exactly once": not missing_effects and all(c == 1 for c in effect_rows.values()),
         "revoked tasks never ran": not revoked_ran,
         "rescheduled tasks not early": not early,

@@ -30,7 +30,7 @@ class Row:
     fault: str
     injected: int = 0
     lost: int = 0
-    lost_why: list[str] = field(default_factory=list)
+    lost_why: dict[str, int] = field(default_factory=dict)  # reason -> tasks
     duplicate_deliveries: int = 0
     duplicate_runs: int = 0
     duplicate_effects: int = 0
@@ -126,7 +126,7 @@ def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int]
     for task_id, (fault, reason) in why.items():
         row = rows.get(fault, rows["(no fault)"])
         row.lost += 1
-        row.lost_why.append(reason)
+        row.lost_why[reason] = row.lost_why.get(reason, 0) + 1
     load_end = max(t.new_due_ms or t.due_ms for t in tasks)
     on_time = sorted((due_ms, start_ms - due_ms <= ON_TIME_MS) for _, _, _, start_ms, due_ms in firsts(runs))
     dispatched = _dispatched_on_time(tasks, runs, deliveries)

@@ -18,8 +18,8 @@ def _recovery(values: list[float | str | None]) -> str:
 def _lost(row: dict[str, Any]) -> str:
     if not row["lost"]:
         return "0"
-    reasons = sorted(set(row["lost_why"]))
-    return f"**{row['lost']}** ({'; '.join(reasons)})"
+    reasons = "; ".join(f"{n}: {why}" for why, n in sorted(row["lost_why"].items(), key=lambda kv: -kv[1]))
+    return f"**{row['lost']}** ({reasons})"
 
 
 def table(result: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import celery_delayed
 
 def create_app(**overrides: Any) -> Celery:
     """The demo app, configured from ``config.celeryconfig`` and ``overrides``."""
-    app = Celery("tasks", include=["tasks.demo", "tasks.payments"])
+    app = Celery("tasks", include=["tasks.chaos", "tasks.demo", "tasks.payments"])
     app.config_from_object("config.celeryconfig")
     app.conf.update(overrides)
     celery_delayed.install(app)

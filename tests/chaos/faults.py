@@ -1,0 +1,228 @@
+"""The faults a chaos run injects, one small function each, and the seeded schedule they follow.
+
+Each fault stops only what the run started (pollers and workers by PID, servers
+through scripts/services, which started them) and leaves it running again; it
+returns a note saying what it did.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from celery_delayed.settings import Settings
+from tests.integration.support import ROOT, Processes, Starver, leaders
+
+#: Seconds of SIGSTOP 300 ms / SIGCONT 60 ms cycles of a CPU-starved poller.
+STARVE_S = 10.0
+
+
+@dataclass
+class Cluster:
+    """The pollers and workers of a run (real OS processes) and the servers under them."""
+
+    settings: Settings
+    procs: Processes
+    services_dir: Path
+    pollers: list[subprocess.Popen] = field(default_factory=list)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    rng: random.Random = field(default_factory=random.Random)
+    started: int = 0
+
+    def add_poller(self) -> subprocess.Popen:
+        self.pollers.append(self.procs.poller())
+        return self.pollers[-1]
+
+    def add_worker(self) -> subprocess.Popen:
+        """A prefork worker with 2 pool children, under a name not used before in the run."""
+        self.started += 1
+        self.workers.append(self.procs.worker(f"w{self.started}", "-c", "2"))
+        return self.workers[-1]
+
+    def leading_poller(self) -> subprocess.Popen:
+        """A poller that leads some partition now (by etcd), picked at random."""
+        pids = sorted(set(leaders(self.settings).values()))
+        live = [p for p in self.pollers if p.pid in pids and p.poll() is None]
+        if not live:
+            raise RuntimeError(f"no live poller of this run leads a partition (etcd says {pids})")
+        return self.rng.choice(live)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and its children (it leads its own process group) and reap it."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _partitions_of(cluster: Cluster, pid: int) -> list[int]:
+    return sorted(p for p, leader in leaders(cluster.settings).items() if leader == pid)
+
+
+def poller_kill(cluster: Cluster) -> str:
+    """kill -9 of a leading poller, then a replacement poller."""
+    victim = cluster.leading_poller()
+    partitions = _partitions_of(cluster, victim.pid)
+    _kill_group(victim)
+    cluster.pollers.remove(victim)
+    new = cluster.add_poller()
+    return f"kill -9 poller {victim.pid} (leading {partitions}); replacement {new.pid}"
+
+
+def poller_pause(cluster: Cluster) -> str:
+    """SIGSTOP a leading poller past its lease, then SIGCONT: fencing must keep it from dispatching."""
+    victim = cluster.leading_poller()
+    partitions = _partitions_of(cluster, victim.pid)
+    pause = cluster.settings.lease_ttl + 3
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    return f"SIGSTOP poller {victim.pid} (leading {partitions}) for {pause} s"
+
+
+def poller_starve(cluster: Cluster) -> str:
+    """A leading poller starved of CPU: SIGSTOP 300 ms / SIGCONT 60 ms for :data:`STARVE_S`."""
+    victim = cluster.leading_poller()
+    starver = Starver(victim.pid, stop_s=0.3, run_s=0.06, limit_s=STARVE_S + 5)
+    time.sleep(STARVE_S)
+    starver.close()
+    return f"starved poller {victim.pid}: {starver.cycles} SIGSTOP/SIGCONT cycles"
+
+
+def worker_kill(cluster: Cluster) -> str:
+    """kill -9 of a worker and its pool children mid-task, then a replacement worker."""
+    victim = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    _kill_group(victim)
+    cluster.workers.remove(victim)
+    new = cluster.add_worker()
+    return f"kill -9 worker {victim.pid} (process group); replacement {new.pid}"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def child_kill(cluster: Cluster) -> str:
+    """kill -9 of one pool child of a worker (the worker's pool starts another); a worker that has
+    just started may have none yet, so this waits (at most 20 s) for one that has."""
+    deadline = time.monotonic() + 20
+    while True:
+        pools = {w.pid: _children(w.pid) for w in cluster.workers if w.poll() is None}
+        pools = {pid: children for pid, children in pools.items() if children}
+        if pools or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not pools:
+        raise RuntimeError("no worker has a pool child")
+    worker = cluster.rng.choice(sorted(pools))
+    child = cluster.rng.choice(pools[worker])
+    os.kill(child, signal.SIGKILL)
+    return f"kill -9 pool child {child} of worker {worker}"
+
+
+def _services(*args: str) -> str:
+    """Run ``scripts/services ARGS`` (this run's CD_* environment); its output as one line."""
+    out = subprocess.run([str(ROOT / "scripts" / "services"), *args], check=True, capture_output=True, text=True)
+    return (out.stdout + out.stderr).strip().replace("\n", "; ")
+
+
+def redis_kill9(cluster: Cluster) -> str:
+    """kill -9 of the store's Redis (AOF, appendfsync everysec), then ``scripts/services up redis``."""
+    pid = int((cluster.services_dir / "run" / "redis.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+        time.sleep(0.05)
+    return f"kill -9 redis {pid}; " + _services("up", "redis")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def _restart(name: str, outage_s: float = 0.0, wipe: Path | None = None) -> str:
+    """``scripts/services down NAME``, ``outage_s`` later (and ``wipe`` deleted) ``up NAME``."""
+    note = _services("down", name)
+    time.sleep(outage_s)
+    if wipe is not None:
+        shutil.rmtree(wipe)
+    return note + "; " + _services("up", name)
+
+
+def redis_restart(cluster: Cluster) -> str:
+    """A clean restart of Redis (SIGTERM: the AOF is flushed), so nothing is lost."""
+    return _restart("redis")
+
+
+def kafka_restart(cluster: Cluster) -> str:
+    return _restart("kafka")
+
+
+def kafka_outage(cluster: Cluster) -> str:
+    """Kafka down longer than the poller's ``message.timeout.ms`` (see :func:`celery_delayed.kafka.make_producer`)."""
+    timeout_s = min(30.0, cluster.settings.visibility_timeout * 0.8)
+    return f"down for {timeout_s + 5:.0f} s: " + _restart("kafka", outage_s=timeout_s + 5)
+
+
+def etcd_restart(cluster: Cluster) -> str:
+    return _restart("etcd")
+
+
+def etcd_wipe(cluster: Cluster) -> str:
+    """etcd restarted with its data deleted: a new cluster, revisions from 1 again."""
+    return _restart("etcd", wipe=cluster.services_dir / "etcd")
+
+
+FAULTS: dict[str, Callable[[Cluster], str]] = {
+    "poller-kill": poller_kill, "poller-pause": poller_pause, "poller-starve": poller_starve,
+    "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
+    "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
+    "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe,
+}
+#: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
+QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
+         "kafka-restart", "etcd-restart"]
+#: Faults after which dispatch is known not to resume: run last, so the rest are measured first.
+LAST = ["etcd-wipe"]
+
+
+def schedule(rng: random.Random, names: list[str], times: int, start_s: float, end_s: float
+             ) -> list[tuple[float, str]]:
+    """``(seconds into the run, fault)`` pairs: each fault ``times`` times at random moments in
+    ``[start_s, end_s]``, in time order, those of :data:`LAST` after all others."""
+    plan = sorted((rng.uniform(start_s, end_s), name) for name in names if name not in LAST for _ in range(times))
+    last = [name for name in names if name in LAST for _ in range(times)]
+    after = plan[-1][0] if plan else start_s
+    return plan + sorted((rng.uniform(after, end_s), name) for name in last)
+
+
+@dataclass
+class Injected:
+    """One fault as it happened: epoch ms of its start and end, and what it did."""
+
+    name: str
+    start_ms: int
+    end_ms: int
+    note: str
+
+
+def inject(cluster: Cluster, name: str) -> Injected:
+    """Run one fault, timing it; a fault that fails is recorded with its error, not raised."""
+    start_ms = int(time.time() * 1000)
+    try:
+        note = FAULTS[name](cluster)
+    except Exception as exc:  # noqa: BLE001 - the run goes on, the report names the failure
+        note = f"FAILED: {type(exc).__name__}: {exc}"
+    return Injected(name, start_ms, int(time.time() * 1000), note)

@@ -165,3 +165,24 @@ def test_a_late_copy_of_an_attempt_that_retried_does_not_run_again(overrides, pr
     assert runs(app, run) == {result.id: 1}, "the late copy of attempt 0 ran again"
     assert result.get(timeout=60) == 2
     assert runs(app, run) == {result.id: 2}
+
+
+def test_a_broker_reconnect_while_kafka_is_down_keeps_the_worker(overrides, processes, servers):
+    """The worker's consumer restarts (broker connection cut) while Kafka is down: its Kafka
+    feed must start again without Kafka (not shut the worker down), and run tasks once Kafka
+    is back."""
+    servers.require_ours("kafka")
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    worker = processes.worker("w1")
+    processes.poller()
+    assert app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5).get(timeout=60)
+    servers.stop("kafka")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    r.client_kill_filter(_type="normal", skipme=True)  # the broker connection drops: consumer restart
+    time.sleep(40)  # past the 30 s the feed's start gives Kafka to list its topics
+    assert worker.poll() is None, "the worker shut down:\n" + processes.log(worker)[-3000:]
+    servers.start("kafka")
+    result = app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5)
+    assert result.get(timeout=120) == result.id
+    assert worker.poll() is None

@@ -1,9 +1,7 @@
 """Tasks that fail for good are parked in the dead-letter queue, ready to be requeued.
 
 "For good" is Celery's own verdict: the ``task_failure`` signal fires once a
-task's retries are exhausted (or when it allows none), never for a retry.  A
-failure outside the task's body (Celery's ``einfo.internal``: its result could
-not be stored, say) is not parked: the task ran, and a requeue would run it again.  The
+task's retries are exhausted (or when it allows none), never for a retry.  The
 handler runs where the task ran (a pool child under prefork) and rebuilds the
 task's message as Celery would publish it, with the same task id, so
 ``celery delayed dlq requeue`` can run it again unchanged.
@@ -27,10 +25,6 @@ def park_failures(app: Celery) -> None:
     def on_failure(sender: Task | None = None, task_id: str | None = None, exception: BaseException | None = None,
                    args: Any = None, kwargs: Any = None, einfo: Any = None, **_: Any) -> None:
         if sender is None or sender.app is not app or not app.amqp.delayed_settings.dead_letter_failures:
-            return
-        if getattr(einfo, "internal", False):  # outside the body (e.g. storing the result): the task ran
-            logger.warning("task %s ran, but failed outside its body (%s); not parked, so it does not run "
-                           "again", task_id, exception)
             return
         try:
             letter = DeadLetter(task_id=task_id, reason=f"{type(exception).__name__}: {exception}",

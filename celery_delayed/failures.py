@@ -1,14 +1,20 @@
 """Tasks that fail for good are parked in the dead-letter queue, ready to be requeued.
 
 "For good" is Celery's own verdict: the ``task_failure`` signal fires once a
-task's retries are exhausted (or when it allows none), never for a retry.  The
-handler runs where the task ran (a pool child under prefork) and rebuilds the
+task's retries are exhausted (or when it allows none), never for a retry.  A
+failure after the body returned (storing its result or sending its callbacks failed,
+say while Redis restarts) is not parked: the task ran, and a requeue would run it
+again.  Celery tells it apart only by ``task_internal_error``, sent just before
+that ``task_failure`` in the same thread, with a traceback through the step that
+failed.  The handler runs where the task ran (a pool child under prefork) and rebuilds the
 task's message as Celery would publish it, with the same task id, so
 ``celery delayed dlq requeue`` can run it again unchanged.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from types import TracebackType
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -18,6 +24,11 @@ from .envelope import Envelope, serialize
 
 logger = logging.getLogger(__name__)
 
+#: Steps of Celery's tracer (celery.app.trace) that run only once a task's body returned.
+AFTER_BODY = frozenset({"mark_as_done", "_dispatch_callbacks_and_chain"})
+#: Per thread: the id of the task whose failure after its body Celery just signalled.
+_ran = threading.local()
+
 
 def park_failures(app: Celery) -> None:
     """Connect the ``task_failure`` handler for ``app``'s tasks."""
@@ -25,6 +36,11 @@ def park_failures(app: Celery) -> None:
     def on_failure(sender: Task | None = None, task_id: str | None = None, exception: BaseException | None = None,
                    args: Any = None, kwargs: Any = None, einfo: Any = None, **_: Any) -> None:
         if sender is None or sender.app is not app or not app.amqp.delayed_settings.dead_letter_failures:
+            return
+        if getattr(_ran, "task_id", None) == task_id:
+            _ran.task_id = None
+            logger.warning("task %s failed after its body ran (%s: %s): not parked in the dead-letter queue, "
+                           "where a requeue would run it again", task_id, type(exception).__name__, exception)
             return
         try:
             letter = DeadLetter(task_id=task_id, reason=f"{type(exception).__name__}: {exception}",
@@ -35,7 +51,20 @@ def park_failures(app: Celery) -> None:
         except Exception:  # the failure itself is already recorded by Celery; never mask it
             logger.exception("could not park failed task %s in the dead-letter queue", task_id)
 
+    def on_internal_error(task_id: str | None = None, traceback: TracebackType | None = None, **_: Any) -> None:
+        _ran.task_id = task_id if after_body(traceback) else None
+
+    signals.task_internal_error.connect(on_internal_error, weak=False)
     signals.task_failure.connect(on_failure, weak=False)
+
+
+def after_body(tb: TracebackType | None) -> bool:
+    """Whether a traceback from Celery's tracer passes through a step of :data:`AFTER_BODY`."""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in AFTER_BODY:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _envelope(task: Task, task_id: str, args: Any, kwargs: Any) -> bytes:

@@ -125,17 +125,24 @@ def test_one_long_task_does_not_stop_the_intake_of_the_short_ones_behind_it(over
     assert committed(app) <= 0, "committed past the long task that still runs"  # 0, or nothing yet (-1001)
 
 
-def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):
-    """The result backend fails the second check of each task id (the one after the run claim is
-    taken): the task is tried again a second later and runs once; it is not dead-lettered, and
-    its run claim is not left behind to bounce every later copy."""
+def blinking_backend_run(overrides: dict, processes, n: int):
+    """An app on :mod:`.blinking_backend`, ``n`` tasks ``tasks.demo.work`` of a new run due in 1.5 s,
+    and a poller; the test starts the worker, with its blinks."""
     backend = overrides.get("result_backend") or create_app(**overrides).conf.result_backend
     overrides["result_backend"] = backend.replace("celery_delayed.backend:RedisBackend",
                                                   "tests.integration.blinking_backend:BlinkingBackend")
     app = create_app(**overrides)
     run = uuid.uuid4().hex
-    results = [app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5) for _ in range(5)]
+    results = [app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5) for _ in range(n)]
     processes.poller()
+    return app, run, results
+
+
+def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):
+    """The result backend fails the second check of each task id (the one after the run claim is
+    taken): the task is tried again a second later and runs once; it is not dead-lettered, and
+    its run claim is not left behind to bounce every later copy."""
+    app, run, results = blinking_backend_run(overrides, processes, 5)
     processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": "2"})
     assert {r.get(timeout=60) for r in results} == {r.id for r in results}
     assert runs(app, run) == {r.id: 1 for r in results}
@@ -144,6 +151,19 @@ def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(over
     prefix = overrides["delayed_key_prefix"]
     wait_for(lambda: not any(r.exists(task_key(prefix, "run", x.id)) for x in results), 10,
              "every run claim to be released")
+
+
+def test_a_task_that_ran_but_could_not_store_its_result_is_not_dead_lettered(overrides, processes):
+    """Storing the result fails once (Redis restarting) after the body ran: Celery reports a
+    failure outside the body.  The task ran, so it must not be parked in the dead-letter queue,
+    from where a requeue would run it again; it is not run again either."""
+    app, run, results = blinking_backend_run(overrides, processes, 3)
+    worker = processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK_DONE": "1"})
+    wait_for(lambda: len(runs(app, run)) == len(results), 60, "every task to run")
+    time.sleep(3)  # a dead letter would be written by now (the handler runs right after the failure)
+    assert DeadLetters(store_of(app)).count() == 0, "a task that ran was parked in the dead-letter queue"
+    assert runs(app, run) == {r.id: 1 for r in results}
+    assert processes.log(worker).count("failed after its body ran") == len(results)
 
 
 def test_a_late_copy_of_an_attempt_that_retried_does_not_run_again(overrides, processes):

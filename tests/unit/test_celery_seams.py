@@ -25,3 +25,47 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
     source = inspect.getsource(Consumer)
     for name in ("strategies", "qos", "hub", "on_task_message"):
         assert f"self.{name}" in source, name
+
+
+def test_a_result_that_cannot_be_stored_is_signalled_as_an_internal_error_through_mark_as_done():
+    """failures.py tells a failure after the body by ``task_internal_error`` (sent before
+    ``task_failure``, in the same thread) and a traceback through a step of ``AFTER_BODY``;
+    a failure in the body must not look like one."""
+    from celery import Celery, signals
+    from celery.app.trace import build_tracer
+
+    from celery_delayed.failures import after_body
+
+    app = Celery("seams", backend="cache+memory://", set_as_current=False)
+    seen: list[tuple[str, bool]] = []
+
+    @app.task(name="seams.ok")
+    def ok():
+        return 1
+
+    @app.task(name="seams.boom")
+    def boom():
+        raise ValueError("in the body")
+
+    def mark_as_done(*args, **kwargs):  # as a backend's own method, down
+        raise ConnectionError("the result backend is down")
+
+    app.backend.mark_as_done = mark_as_done
+
+    def internal(traceback=None, **_):
+        seen.append(("internal", after_body(traceback)))
+
+    def failure(**_):
+        seen.append(("failure", False))
+
+    signals.task_internal_error.connect(internal, weak=False)
+    signals.task_failure.connect(failure, weak=False)
+    try:
+        build_tracer(ok.name, ok, app=app, eager=False)("id-1", (), {}, {"id": "id-1"})
+        assert seen == [("internal", True), ("failure", False)]
+        seen.clear()
+        build_tracer(boom.name, boom, app=app, eager=False)("id-2", (), {}, {"id": "id-2"})
+        assert seen == [("failure", False)]
+    finally:
+        signals.task_internal_error.disconnect(internal)
+        signals.task_failure.disconnect(failure)

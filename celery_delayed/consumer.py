@@ -53,6 +53,13 @@ MAX_UNCOMMITTED = 10_000
 #: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
 #: Anything else Celery's strategy raises is about the message itself, which can never run.
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
+#: Consumer settings delayed_kafka_config may override.  A worker that dies without leaving the
+#: group (kill -9, a machine lost) holds its partitions until the group misses its heartbeats for
+#: session.timeout.ms; and a worker whose session lapsed in a Kafka outage rejoins as a new member,
+#: which the restarted coordinator makes wait out its old one.  librdkafka's 45 s default stalls
+#: those partitions that long; heartbeats come from librdkafka's own thread, so 10 s is safe for
+#: a busy worker too.
+CONSUMER_DEFAULTS = {"session.timeout.ms": 10_000}
 #: Longest a stopped feed keeps committing for tasks still in hand (s).
 DRAIN_TIMEOUT = 60.0
 
@@ -141,7 +148,7 @@ class KafkaFeed:
             ensure_topics(self.settings, self.queues)
         except KafkaException as exc:  # a restart while Kafka is down: subscribe anyway, read once it is back
             logger.warning("cannot check the Kafka topics of %s now (%s); consuming once they answer", self.queues, exc)
-        self._consumer = Consumer(self.settings.kafka(**{
+        self._consumer = Consumer(self.settings.kafka(CONSUMER_DEFAULTS, **{
             "group.id": self.settings.consumer_group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
@@ -291,9 +298,11 @@ class KafkaFeed:
             logger.debug("offset commit failed: %s", exc)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        logger.info("assigned Kafka partitions %s", _names(partitions))
         self.offsets.assign([(tp.topic, tp.partition) for tp in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        logger.info("Kafka partitions %s revoked", _names(partitions))
         keys = [(tp.topic, tp.partition) for tp in partitions]
         self._paused.difference_update(keys)
         self._commit(self.offsets.revoke(keys))
@@ -511,6 +520,10 @@ class _Unrunnable(Exception):
     def __init__(self, reason: str, traceback: str) -> None:
         super().__init__(reason)
         self.traceback = traceback
+
+
+def _names(partitions: list[TopicPartition]) -> list[str]:
+    return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
 
 
 def _record_headers(record: Any) -> dict[str, int]:

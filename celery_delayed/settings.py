@@ -220,9 +220,9 @@ class Settings:
                              f"at most {MAX_TOPIC_LENGTH - len(self.topic_prefix)} of them")
         return topic
 
-    def kafka(self, **extra: Any) -> dict[str, Any]:
-        """confluent-kafka configuration: servers, user config, then ``extra``."""
-        return {"bootstrap.servers": self.kafka_servers, **self.kafka_config, **extra}
+    def kafka(self, defaults: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        """confluent-kafka configuration: servers, ``defaults``, user config, then ``extra``."""
+        return {"bootstrap.servers": self.kafka_servers, **(defaults or {}), **self.kafka_config, **extra}
 
     def __repr__(self) -> str:  # never print secrets
         shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

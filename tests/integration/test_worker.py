@@ -231,6 +231,30 @@ def test_rebalance_to_a_second_worker_loses_nothing(overrides, processes):
     assert workers == {"w1", "w2"}
 
 
+def test_the_partitions_of_a_killed_worker_move_to_the_others_within_the_session_timeout(overrides, processes):
+    """kill -9 of one of two workers: its Kafka partitions go to the other once the group misses
+    its heartbeats for ``session.timeout.ms`` (10 s here, not librdkafka's 45 s), so tasks due
+    right after the kill run within 30 s of it."""
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first, second = processes.worker("w1", "-c", "2"), processes.worker("w2", "-c", "2")
+    wait_for(lambda: all("assigned Kafka partitions" in processes.log(w) for w in (first, second)), 60,
+             "both workers to be assigned partitions")
+    time.sleep(5)  # the group settles: both members steady
+    warmup = [due_in(app, "tasks.demo.work", (run,), seconds=2.0) for _ in range(40)]
+    assert {x.get(timeout=90) for x in warmup} == {x.id for x in warmup}
+    assert {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in warmup} == {"w1", "w2"}
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed = time.monotonic()
+    after = [due_in(app, "tasks.demo.work", (run,), seconds=2.0) for _ in range(40)]
+    wait_for(lambda: all(r.hexists(f"demo:{run}:runs", x.id) for x in after), 30,
+             "the killed worker's partitions to be read by the other worker")
+    print(f"\nkill -9 of a worker: its partitions served again {time.monotonic() - killed:.1f} s later")
+
+
 def test_broker_connection_loss_does_not_drop_kafka_fed_tasks(overrides, processes):
     app = create_app(**overrides)
     run = uuid.uuid4().hex

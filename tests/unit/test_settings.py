@@ -77,6 +77,14 @@ def test_kafka_config_passes_through_and_topic_names():
     assert s.topic("emails") == "p.emails"
 
 
+def test_kafka_defaults_give_way_to_the_users_config():
+    """The consumer's session.timeout.ms is a default: delayed_kafka_config may set another."""
+    from celery_delayed.consumer import CONSUMER_DEFAULTS
+    assert Settings().kafka(CONSUMER_DEFAULTS)["session.timeout.ms"] == 10_000
+    mine = Settings.from_mapping({"kafka_config": {"session.timeout.ms": 30_000}})
+    assert mine.kafka(CONSUMER_DEFAULTS, **{"group.id": "g"})["session.timeout.ms"] == 30_000
+
+
 def test_booleans_from_the_environment():
     assert Settings.from_mapping({"dead_letter_failures": "false"}).dead_letter_failures is False
     assert Settings.from_mapping({"dead_letter_failures": "YES"}).dead_letter_failures is True

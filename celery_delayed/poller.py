@@ -333,16 +333,20 @@ class Poller:
         delivered: dict[int, list[tuple[str, int]]] = defaultdict(list)
         failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
         fatal = None
+        errors: dict[str, list[str]] = defaultdict(list)  # one log line per error, not one per task
         for partition, task_id, stamp, due_ms, err in reports:
             if err:
                 failed[partition].append((task_id, stamp))
-                logger.warning("delivery of %s failed: %s; due again shortly", task_id, err)
+                errors[str(err)].append(task_id)
                 if classify(err) is Verdict.FATAL:
                     fatal = err
             else:
                 delivered[partition].append((task_id, stamp))
                 if due_ms is not None:
                     metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
+        for err, ids in errors.items():
+            logger.warning("delivery of %d task(s) failed (%s%s): %s; due again shortly", len(ids), ids[0],
+                           f" and {len(ids) - 1} more" if len(ids) > 1 else "", err)
         for partition, ids in delivered.items():
             acked = self._settle(self.store.ack, partition, ids)
             if acked is not None:

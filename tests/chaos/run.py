@@ -54,7 +54,7 @@ class Profile:
 
 PROFILES = {
     "quick": Profile(10_000, 90, 20, 3, 50, 1, tuple(faults.QUICK), 270),
-    "full": Profile(100_000, 360, 45, 10, 150, 2, tuple(faults.FAULTS), 1200),
+    "full": Profile(100_000, 600, 45, 10, 450, 2, tuple(faults.FAULTS), 1500),
 }
 
 

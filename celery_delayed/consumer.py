@@ -143,6 +143,10 @@ class KafkaFeed:
         if not (conf.task_acks_late and conf.task_reject_on_worker_lost):
             logger.warning("task_acks_late and task_reject_on_worker_lost are not both on: a task is "
                            "acknowledged when it starts, so a worker killed mid-task loses it")
+        if not conf.result_backend_always_retry:
+            logger.warning("result_backend_always_retry is off: a task whose result or retry state cannot be "
+                           "stored while the result backend restarts is recorded as failed, and a retry it "
+                           "scheduled then never runs")
         worker_preflight(self.store)
         try:
             ensure_topics(self.settings, self.queues)

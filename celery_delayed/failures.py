@@ -2,19 +2,20 @@
 
 "For good" is Celery's own verdict: the ``task_failure`` signal fires once a
 task's retries are exhausted (or when it allows none), never for a retry.  A
-failure after the body returned (storing its result or sending its callbacks failed,
-say while Redis restarts) is not parked: the task ran, and a requeue would run it
-again.  Celery tells it apart only by ``task_internal_error``, sent just before
-that ``task_failure`` in the same thread, with a traceback through the step that
-failed.  The handler runs where the task ran (a pool child under prefork) and rebuilds the
+failure after the body returned or retried (storing its result or its retry
+state, or sending its callbacks, failed, say while Redis restarts) is not
+parked: the task ran, or its retry is scheduled, and a requeue would run it
+again.  Such a failure's traceback passes through a step of :data:`AFTER_BODY`;
+Celery reports it from the pool child, or from the worker's main process when
+recording the failure failed too (its ``Request.on_failure``), so the check
+reads the formatted traceback, which both carry.  The handler rebuilds the
 task's message as Celery would publish it, with the same task id, so
 ``celery delayed dlq requeue`` can run it again unchanged.
 """
 from __future__ import annotations
 
 import logging
-import threading
-from types import TracebackType
+import re
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -24,10 +25,9 @@ from .envelope import Envelope, serialize
 
 logger = logging.getLogger(__name__)
 
-#: Steps of Celery's tracer (celery.app.trace) that run only once a task's body returned.
-AFTER_BODY = frozenset({"mark_as_done", "_dispatch_callbacks_and_chain"})
-#: Per thread: the id of the task whose failure after its body Celery just signalled.
-_ran = threading.local()
+#: Steps of Celery's tracer (celery.app.trace) that run only once a task's body returned or retried.
+AFTER_BODY = ("mark_as_done", "_dispatch_callbacks_and_chain", "handle_retry")
+_AFTER_BODY_FRAME = re.compile(r'^  File ".*", line \d+, in (?:%s)$' % "|".join(AFTER_BODY), re.MULTILINE)
 
 
 def park_failures(app: Celery) -> None:
@@ -37,8 +37,7 @@ def park_failures(app: Celery) -> None:
                    args: Any = None, kwargs: Any = None, einfo: Any = None, **_: Any) -> None:
         if sender is None or sender.app is not app or not app.amqp.delayed_settings.dead_letter_failures:
             return
-        if getattr(_ran, "task_id", None) == task_id:
-            _ran.task_id = None
+        if after_body(getattr(einfo, "traceback", None)):
             logger.warning("task %s failed after its body ran (%s: %s): not parked in the dead-letter queue, "
                            "where a requeue would run it again", task_id, type(exception).__name__, exception)
             return
@@ -51,20 +50,12 @@ def park_failures(app: Celery) -> None:
         except Exception:  # the failure itself is already recorded by Celery; never mask it
             logger.exception("could not park failed task %s in the dead-letter queue", task_id)
 
-    def on_internal_error(task_id: str | None = None, traceback: TracebackType | None = None, **_: Any) -> None:
-        _ran.task_id = task_id if after_body(traceback) else None
-
-    signals.task_internal_error.connect(on_internal_error, weak=False)
     signals.task_failure.connect(on_failure, weak=False)
 
 
-def after_body(tb: TracebackType | None) -> bool:
-    """Whether a traceback from Celery's tracer passes through a step of :data:`AFTER_BODY`."""
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name in AFTER_BODY:
-            return True
-        tb = tb.tb_next
-    return False
+def after_body(traceback: str | None) -> bool:
+    """Whether a formatted traceback (``einfo.traceback``) passes through a step of :data:`AFTER_BODY`."""
+    return bool(traceback and _AFTER_BODY_FRAME.search(traceback))
 
 
 def _envelope(task: Task, task_id: str, args: Any, kwargs: Any) -> bytes:

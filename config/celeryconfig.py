@@ -3,7 +3,8 @@
 Any setting can be overridden from the environment: ``DELAYED_FOO=bar`` sets
 ``delayed_foo`` and ``CELERY_FOO=bar`` sets ``foo`` (e.g. ``CELERY_BROKER_URL``),
 which is how docker/ and the tests configure the same project; a value starting
-with ``[`` or ``{`` is read as a Python literal (a list or dict setting).
+with ``[`` or ``{`` is read as a Python literal (a list or dict setting), and
+``True`` / ``False`` as booleans.
 """
 import ast
 import os
@@ -14,6 +15,7 @@ broker_url = f"{_redis}/1"
 # celery-delayed's Redis result backend: the first terminal result of a task id is final
 result_backend = f"celery_delayed.backend:RedisBackend+{_redis}/2"
 result_extended = True          # results record the worker that ran them
+result_backend_always_retry = True  # a result write retries while Redis restarts, not failing the task
 task_acks_late = True           # a task's Kafka offset settles when it ends...
 task_reject_on_worker_lost = True  # ...and a killed pool child's task runs again
 worker_prefetch_multiplier = 4
@@ -30,8 +32,9 @@ delayed_partitions = 8
 
 def _setting(value: str):
     """An environment value as a setting: a list or dict when written as a Python literal
-    (e.g. ``CELERY_ACCEPT_CONTENT="['json', 'pickle']"``), else the string itself."""
-    return ast.literal_eval(value) if value[:1] in ("[", "{") else value
+    (e.g. ``CELERY_ACCEPT_CONTENT="['json', 'pickle']"``), a bool for ``True`` or ``False``,
+    else the string itself."""
+    return ast.literal_eval(value) if value[:1] in ("[", "{") or value in ("True", "False") else value
 
 
 for _name, _value in os.environ.items():

@@ -4,7 +4,11 @@
 process raise :class:`celery.exceptions.BackendGetMetaError` (a comma list names
 several calls); ``CD_TEST_BLINK_DONE=1`` makes the 1st ``mark_as_done`` of each task id
 raise :class:`redis.ConnectionError`, as when Redis restarts while a task that ran
-stores its result.  Everything else is the real Redis backend of celery-delayed.
+stores its result, and ``CD_TEST_BLINK_FAILURE=1`` its 1st ``mark_as_failure`` (then
+Celery's pool child gives up and the worker's main process records the failure; the
+main process's own calls never blink).  ``CD_TEST_BLINK_RETRY=1`` fails the 1st write of
+a RETRY state of each task id below Celery's backend retry loop (``_store_result``), so
+``result_backend_always_retry`` retries it.  Everything else is the real Redis backend of celery-delayed.
 Tests select it with ``result_backend = "tests.integration.blinking_backend:
 BlinkingBackend+redis://..."``.
 """
@@ -14,6 +18,8 @@ import os
 from collections import Counter
 
 import redis
+from billiard.process import current_process
+from celery import states
 from celery.exceptions import BackendGetMetaError
 
 from celery_delayed.backend import RedisBackend
@@ -22,6 +28,8 @@ from celery_delayed.backend import RedisBackend
 class BlinkingBackend(RedisBackend):
     _calls: Counter = Counter()
     _done_calls: Counter = Counter()
+    _failure_calls: Counter = Counter()
+    _retry_calls: Counter = Counter()
 
     def get_task_meta(self, task_id, cache=True):
         self._calls[task_id] += 1
@@ -31,7 +39,23 @@ class BlinkingBackend(RedisBackend):
         return super().get_task_meta(task_id, cache)
 
     def mark_as_done(self, task_id, result, *args, **kwargs):
-        self._done_calls[task_id] += 1
-        if str(self._done_calls[task_id]) in os.environ.get("CD_TEST_BLINK_DONE", "").split(","):
-            raise redis.ConnectionError(f"the result backend blinked storing the result of {task_id}")
+        _blink(self._done_calls, task_id, "CD_TEST_BLINK_DONE")
         return super().mark_as_done(task_id, result, *args, **kwargs)
+
+    def mark_as_failure(self, task_id, exc, *args, **kwargs):
+        _blink(self._failure_calls, task_id, "CD_TEST_BLINK_FAILURE")
+        return super().mark_as_failure(task_id, exc, *args, **kwargs)
+
+    def _store_result(self, task_id, result, state, *args, **kwargs):
+        if state == states.RETRY:
+            _blink(self._retry_calls, task_id, "CD_TEST_BLINK_RETRY")
+        return super()._store_result(task_id, result, state, *args, **kwargs)
+
+
+def _blink(calls: Counter, task_id: str, variable: str) -> None:
+    """Raise ConnectionError on the calls for ``task_id`` that ``variable`` names (1st, 2nd...)."""
+    if current_process().name == "MainProcess":
+        return
+    calls[task_id] += 1
+    if str(calls[task_id]) in os.environ.get(variable, "").split(","):
+        raise redis.ConnectionError(f"the result backend blinked ({variable}, call {calls[task_id]} of {task_id})")

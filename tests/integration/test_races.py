@@ -8,6 +8,7 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
+import pytest
 import redis
 from celery import states
 
@@ -153,17 +154,38 @@ def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(over
              "every run claim to be released")
 
 
-def test_a_task_that_ran_but_could_not_store_its_result_is_not_dead_lettered(overrides, processes):
+@pytest.mark.parametrize("blinks", [{"CD_TEST_BLINK_DONE": "1"},
+                                    {"CD_TEST_BLINK_DONE": "1", "CD_TEST_BLINK_FAILURE": "1"}],
+                         ids=["in-the-pool-child", "then-in-the-main-process"])
+def test_a_task_that_ran_but_could_not_store_its_result_is_not_dead_lettered(overrides, processes, blinks):
     """Storing the result fails once (Redis restarting) after the body ran: Celery reports a
-    failure outside the body.  The task ran, so it must not be parked in the dead-letter queue,
-    from where a requeue would run it again; it is not run again either."""
+    failure outside the body, from the pool child, or, when recording that failure fails too,
+    from the worker's main process.  The task ran, so it must not be parked in the dead-letter
+    queue, from where a requeue would run it again; it is not run again either."""
     app, run, results = blinking_backend_run(overrides, processes, 3)
-    worker = processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK_DONE": "1"})
+    worker = processes.worker("w1", "-c", "2", env=blinks)
     wait_for(lambda: len(runs(app, run)) == len(results), 60, "every task to run")
     time.sleep(3)  # a dead letter would be written by now (the handler runs right after the failure)
     assert DeadLetters(store_of(app)).count() == 0, "a task that ran was parked in the dead-letter queue"
     assert runs(app, run) == {r.id: 1 for r in results}
     assert processes.log(worker).count("failed after its body ran") == len(results)
+
+
+def test_a_retry_whose_state_cannot_be_stored_at_once_still_runs(overrides, processes):
+    """Writing a task's RETRY state fails once (Redis restarting) after its retry was scheduled.
+    With ``result_backend_always_retry`` (the demo's setting, which the README asks for) the write
+    is retried: the task is not recorded as failed, so its retry runs and succeeds."""
+    overrides["result_backend_always_retry"] = True  # with False: the tasks fail with ConnectionError
+    backend = overrides.get("result_backend") or create_app(**overrides).conf.result_backend
+    overrides["result_backend"] = backend.replace("celery_delayed.backend:RedisBackend",
+                                                  "tests.integration.blinking_backend:BlinkingBackend")
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    results = [app.tasks["tasks.demo.flaky"].apply_async((run, 1, 2.0), countdown=1.5) for _ in range(3)]
+    processes.poller()
+    processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK_RETRY": "1"})
+    assert [r.get(timeout=60, propagate=False) for r in results] == [2, 2, 2]
+    assert runs(app, run) == {r.id: 2 for r in results}
 
 
 def test_a_late_copy_of_an_attempt_that_retried_does_not_run_again(overrides, processes):

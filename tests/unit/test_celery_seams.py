@@ -27,17 +27,17 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
         assert f"self.{name}" in source, name
 
 
-def test_a_result_that_cannot_be_stored_is_signalled_as_an_internal_error_through_mark_as_done():
-    """failures.py tells a failure after the body by ``task_internal_error`` (sent before
-    ``task_failure``, in the same thread) and a traceback through a step of ``AFTER_BODY``;
-    a failure in the body must not look like one."""
+def test_a_failure_after_the_body_carries_a_traceback_through_a_step_failures_py_knows():
+    """failures.py tells a failure after the body from ``einfo.traceback`` of ``task_failure``: it
+    must pass through a step of ``AFTER_BODY`` (here ``mark_as_done``, and ``handle_retry``), and a
+    failure in the body must not."""
     from celery import Celery, signals
     from celery.app.trace import build_tracer
 
     from celery_delayed.failures import after_body
 
     app = Celery("seams", backend="cache+memory://", set_as_current=False)
-    seen: list[tuple[str, bool]] = []
+    seen: list[bool] = []
 
     @app.task(name="seams.ok")
     def ok():
@@ -47,25 +47,24 @@ def test_a_result_that_cannot_be_stored_is_signalled_as_an_internal_error_throug
     def boom():
         raise ValueError("in the body")
 
-    def mark_as_done(*args, **kwargs):  # as a backend's own method, down
+    @app.task(name="seams.again", bind=True)
+    def again(self):
+        raise self.retry(countdown=60, exc=ValueError("retry"))
+
+    def mark_as_done(*args, **kwargs):  # as a backend's own methods, down
         raise ConnectionError("the result backend is down")
 
-    app.backend.mark_as_done = mark_as_done
+    app.backend.mark_as_done = app.backend.mark_as_retry = mark_as_done
+    app.amqp.send_task_message = lambda *args, **kwargs: None  # the retry's message "sent"
 
-    def internal(traceback=None, **_):
-        seen.append(("internal", after_body(traceback)))
+    def failure(einfo=None, **_):
+        seen.append(after_body(einfo.traceback))
 
-    def failure(**_):
-        seen.append(("failure", False))
-
-    signals.task_internal_error.connect(internal, weak=False)
     signals.task_failure.connect(failure, weak=False)
     try:
-        build_tracer(ok.name, ok, app=app, eager=False)("id-1", (), {}, {"id": "id-1"})
-        assert seen == [("internal", True), ("failure", False)]
-        seen.clear()
-        build_tracer(boom.name, boom, app=app, eager=False)("id-2", (), {}, {"id": "id-2"})
-        assert seen == [("failure", False)]
+        for task, expected in ((ok, [True]), (boom, [False]), (again, [True])):
+            seen.clear()
+            build_tracer(task.name, task, app=app, eager=False)("id", (), {}, {"id": "id"})
+            assert seen == expected, task.name
     finally:
-        signals.task_internal_error.disconnect(internal)
         signals.task_failure.disconnect(failure)

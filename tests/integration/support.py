@@ -210,7 +210,9 @@ class Servers:
         self.stopped: list[str] = []
 
     def require_ours(self, name: str) -> None:
-        if not (self.run_dir / f"{name}.pid").exists():
+        """Skip unless scripts/services started ``name`` (for the etcd3 cluster: each of its members)."""
+        pids = [f"{name}-{m}.pid" for m in range(1, ETCD3_MEMBERS + 1)] if name == "etcd3" else [f"{name}.pid"]
+        if not all((self.run_dir / pid).exists() for pid in pids):
             pytest.skip(f"{name} was not started by scripts/services, so this test may not stop it")
 
     def stop(self, name: str) -> None:

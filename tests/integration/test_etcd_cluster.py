@@ -17,15 +17,19 @@ from .support import ETCD3_ENDPOINTS, ETCD3_MEMBERS, etcd3_leader, etcd3_port, e
 
 
 def connected_member(pid: int) -> int | None:
-    """The etcd3 member the process ``pid`` has a TCP connection to (the one its client uses now)."""
-    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True).stdout
+    """The etcd3 member the client of process ``pid`` uses now: the one its TCP connection sent to
+    in the last second (a poller steps every 0.5 s; a channel to a member it failed over from may
+    have reconnected and stay idle).  None while there is none, or more than one."""
+    out = subprocess.run(["ss", "-tnpiH", "state", "established"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
     ports = {etcd3_port(m): m for m in range(1, ETCD3_MEMBERS + 1)}
-    for line in out.splitlines():
-        if f"pid={pid}," in line:
-            port = int(line.split()[3].rsplit(":", 1)[1])  # Recv-Q Send-Q Local Peer
-            if port in ports:
-                return ports[port]
-    return None
+    members = set()
+    for line, info in zip(out, out[1:]):  # a socket's line (Recv-Q Send-Q Local Peer Process), then its -i line
+        peer = int(line.split()[3].rsplit(":", 1)[1]) if f"pid={pid}," in line else None
+        last_send = re.search(r"lastsnd:(\d+)", info)
+        if peer in ports and last_send and int(last_send.group(1)) < 1000:
+            members.add(ports[peer])
+    return members.pop() if len(members) == 1 else None
 
 
 def move_leader(to: int) -> None:

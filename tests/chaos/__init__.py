@@ -7,7 +7,9 @@ scripts/services run a load of ``tasks.chaos.step`` tasks due over a few
 minutes (some retry once through the store, write a side effect through the
 task id as idempotency key, are revoked or rescheduled while scheduled, or
 fail for good), while a seeded schedule of faults kills, pauses and starves
-pollers and workers and restarts Redis, Kafka and etcd.  Every execution is
+pollers and workers and restarts Redis, Kafka and etcd (the pollers lead through
+the 3-member etcd cluster ``etcd3`` of scripts/services; one fault kills its
+raft leader).  Every execution is
 recorded in a SQLite ledger outside the servers; the ledger is then checked
 by task id, and each fault is charged with the losses, duplicates and
 recovery time that follow it.  Results go to ``tests/chaos/results/``.

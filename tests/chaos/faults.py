@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Callable
 
 from celery_delayed.settings import Settings
-from tests.integration.support import ROOT, Processes, Starver, leaders
+from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders
+
+#: Seconds an etcd leader that was killed stays down: longer than an election (election timeout 1 s).
+ETCD_LEADER_DOWN_S = 4.0
 
 #: Seconds of SIGSTOP 300 ms / SIGCONT 60 ms cycles of a CPU-starved poller.
 STARVE_S = 10.0
@@ -138,18 +141,8 @@ def _services(*args: str) -> str:
 
 def redis_kill9(cluster: Cluster) -> str:
     """kill -9 of the store's Redis (AOF, appendfsync everysec), then ``scripts/services up redis``."""
-    pid = int((cluster.services_dir / "run" / "redis.pid").read_text())
-    os.kill(pid, signal.SIGKILL)
-    while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
-        time.sleep(0.05)
+    pid = kill9("redis")
     return f"kill -9 redis {pid}; " + _services("up", "redis")
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 def _restart(name: str, outage_s: float = 0.0, wipe: Path | None = None) -> str:
@@ -176,26 +169,49 @@ def kafka_outage(cluster: Cluster) -> str:
     return f"down for {timeout_s + 5:.0f} s: " + _restart("kafka", outage_s=timeout_s + 5)
 
 
+#: The etcd the run's pollers lead through: the 3-member cluster of ``scripts/services up etcd3``.
+ETCD = "etcd3"
+
+
 def etcd_restart(cluster: Cluster) -> str:
-    return _restart("etcd")
+    """Every member of the etcd cluster stopped (SIGTERM), then the cluster started again with its data."""
+    return _restart(ETCD)
 
 
 def etcd_wipe(cluster: Cluster) -> str:
-    """etcd restarted with its data deleted: a new cluster, revisions from 1 again."""
-    return _restart("etcd", wipe=cluster.services_dir / "etcd")
+    """Every member stopped and its data deleted, then a new cluster bootstrapped: revisions from 1 again."""
+    return _restart(ETCD, wipe=cluster.services_dir / ETCD)
+
+
+def etcd_leader_kill(cluster: Cluster) -> str:
+    """kill -9 of the etcd cluster's raft leader; the other two elect a new one while it stays down
+    :data:`ETCD_LEADER_DOWN_S`, then it is started again (``scripts/services up etcd3-N``) and rejoins."""
+    member = etcd3_leader()
+    if member is None:
+        raise RuntimeError("the etcd cluster has no leader now")
+    pid = kill9(f"{ETCD}-{member}")
+    time.sleep(ETCD_LEADER_DOWN_S)
+    after = etcd3_leader()
+    return (f"kill -9 etcd leader {ETCD}-{member} (pid {pid}); new leader {ETCD}-{after} after "
+            f"{ETCD_LEADER_DOWN_S:.0f} s; " + _services("up", f"{ETCD}-{member}"))
 
 
 FAULTS: dict[str, Callable[[Cluster], str]] = {
     "poller-kill": poller_kill, "poller-pause": poller_pause, "poller-starve": poller_starve,
     "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
     "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
-    "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe,
+    "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe, "etcd-leader-kill": etcd_leader_kill,
 }
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
 QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
-         "kafka-restart", "etcd-restart"]
-#: Faults after which dispatch is known not to resume: run last, so the rest are measured first.
+         "kafka-restart", "etcd-restart", "etcd-leader-kill"]
+#: Faults run after all others (the rest are measured first): a wipe starts etcd over (a new fencing epoch).
 LAST = ["etcd-wipe"]
+
+#: The servers (scripts/services names, each with its pid file) a fault stops and starts again.
+SERVERS = {"redis-kill9": ["redis"], "redis-restart": ["redis"], "kafka-restart": ["kafka"],
+           "kafka-outage": ["kafka"], "etcd-restart": [f"{ETCD}-{m}" for m in (1, 2, 3)],
+           "etcd-wipe": [f"{ETCD}-{m}" for m in (1, 2, 3)], "etcd-leader-kill": [f"{ETCD}-{m}" for m in (1, 2, 3)]}
 
 
 def schedule(rng: random.Random, names: list[str], times: int, start_s: float, end_s: float

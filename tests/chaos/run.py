@@ -23,7 +23,7 @@ from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.kafka import consumer_lag, ensure_topics
 from tasks import create_app
-from tests.integration.support import ROOT, Processes
+from tests.integration.support import ETCD3_ENDPOINTS, ROOT, Processes
 
 from . import check, faults, ledger, load, report
 
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     console = Console()
-    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900}
+    # leadership through the 3-member etcd cluster (scripts/services up etcd3), which the etcd faults act on
+    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900,
+                 "delayed_etcd_endpoints": ETCD3_ENDPOINTS}
     app = create_app(**overrides)
     settings = app.amqp.delayed_settings
     run_info = {"command": "python -m tests.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -138,11 +140,10 @@ class Run:
 
     def execute(self) -> dict[str, Any]:
         """Start the processes, schedule the load, inject the faults, wait, check; always stop what started."""
-        for name in sorted({n for _, n in self.plan} & {"redis-kill9", "redis-restart", "kafka-restart",
-                                                         "kafka-outage", "etcd-restart", "etcd-wipe"}):
-            service = name.split("-")[0]
-            if not (self.cluster.services_dir / "run" / f"{service}.pid").exists():
-                raise SystemExit(f"{service} was not started by scripts/services: fault {name} may not stop it")
+        for name in sorted({n for _, n in self.plan}):
+            for service in faults.SERVERS.get(name, []):
+                if not (self.cluster.services_dir / "run" / f"{service}.pid").exists():
+                    raise SystemExit(f"{service} was not started by scripts/services: fault {name} may not stop it")
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=self.console) as progress:

@@ -26,6 +26,56 @@ from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
+
+#: The 3-member etcd cluster of ``scripts/services up etcd3`` (member N on CD_ETCD3_PORT + 2(N-1), as there).
+ETCD3_MEMBERS = 3
+
+
+def etcd3_port(member: int) -> int:
+    """Client port of etcd3 member ``member`` (1..3)."""
+    return int(os.environ.get("CD_ETCD3_PORT", "2391")) + 2 * (member - 1)
+
+
+#: ``delayed_etcd_endpoints`` for the etcd3 cluster: every member, so a client can fail over.
+ETCD3_ENDPOINTS = ",".join(f"http://127.0.0.1:{etcd3_port(m)}" for m in range(1, ETCD3_MEMBERS + 1))
+
+
+def etcd3_status() -> dict[int, dict]:
+    """``etcdctl endpoint status`` of each etcd3 member that answers: member -> its ``Status``."""
+    found = {}
+    for member in range(1, ETCD3_MEMBERS + 1):
+        out = subprocess.run(["etcdctl", "--endpoints", f"127.0.0.1:{etcd3_port(member)}", "--dial-timeout=1s",
+                              "--command-timeout=2s", "endpoint", "status", "--write-out", "json"],
+                             env=dict(os.environ, ETCDCTL_API="3"), capture_output=True, text=True)
+        if out.returncode == 0:
+            found[member] = json.loads(out.stdout)[0]["Status"]
+    return found
+
+
+def etcd3_leader() -> int | None:
+    """The etcd3 member (1..3) that is the cluster's raft leader now, by the members that answer."""
+    for member, status in etcd3_status().items():
+        if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+            return member
+    return None
+
+
+def kill9(name: str) -> int:
+    """``kill -9`` of the server ``name`` that scripts/services started (its pid file); waits until
+    it is gone and returns its pid.  Start it again with ``scripts/services up NAME``."""
+    pid = int((SERVICES_DIR / "run" / f"{name}.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+        time.sleep(0.05)
+    return pid
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def environment(overrides: dict) -> dict:
@@ -156,11 +206,13 @@ class Servers:
     """Real outages: stops and restarts a server that scripts/services started."""
 
     def __init__(self) -> None:
-        self.run_dir = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services")) / "run"
+        self.run_dir = SERVICES_DIR / "run"
         self.stopped: list[str] = []
 
     def require_ours(self, name: str) -> None:
-        if not (self.run_dir / f"{name}.pid").exists():
+        """Skip unless scripts/services started ``name`` (for the etcd3 cluster: each of its members)."""
+        pids = [f"{name}-{m}.pid" for m in range(1, ETCD3_MEMBERS + 1)] if name == "etcd3" else [f"{name}.pid"]
+        if not all((self.run_dir / pid).exists() for pid in pids):
             pytest.skip(f"{name} was not started by scripts/services, so this test may not stop it")
 
     def stop(self, name: str) -> None:
@@ -171,6 +223,13 @@ class Servers:
     def start(self, name: str) -> None:
         subprocess.run([str(ROOT / "scripts" / "services"), "up", name], check=True, capture_output=True)
         self.stopped.remove(name)
+
+    def kill(self, name: str) -> int:
+        """``kill -9`` of a server (started again by :meth:`start`, or at teardown); its pid."""
+        self.require_ours(name)
+        pid = kill9(name)
+        self.stopped.append(name)
+        return pid
 
     def wipe(self, name: str) -> None:
         """Stop a server, delete its data directory, start it again: a server recreated without a volume."""

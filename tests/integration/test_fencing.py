@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from celery_delayed.leadership import EPOCH_SCALE, Leadership, make_etcd
 from celery_delayed.store import DelayedStore
 
-from .support import TopicReader, envelopes, leaders, wait_for
+from .support import ETCD3_ENDPOINTS, TopicReader, envelopes, leaders, wait_for
 from .test_poller import leading_one_partition, now_ms, settings_for
 
 
-def test_etcd_wiped_dispatch_resumes_under_a_new_fencing_epoch(overrides, processes, servers):
-    servers.require_ours("etcd")
+@pytest.mark.parametrize("service", ["etcd", "etcd3"])
+def test_etcd_wiped_dispatch_resumes_under_a_new_fencing_epoch(overrides, processes, servers, service):
+    """etcd (the single member, or every member of the 3-member cluster) recreated without its data."""
+    servers.require_ours(service)
+    if service == "etcd3":
+        overrides.update(delayed_etcd_endpoints=ETCD3_ENDPOINTS)
     settings = settings_for(overrides)  # lease TTL 2 s, 4 partitions
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
@@ -27,7 +33,7 @@ def test_etcd_wiped_dispatch_resumes_under_a_new_fencing_epoch(overrides, proces
     assert min(fences) > 200 and max(fences) < EPOCH_SCALE, fences  # claimed under epoch 0, high revisions
 
     led = processes.log(poller).count("leads partitions")
-    servers.wipe("etcd")
+    servers.wipe(service)
     back = time.monotonic()
     # the poller leads again in the empty etcd (and says so), so its old tokens are out of use
     wait_for(lambda: len(leaders(settings)) == settings.partitions

@@ -65,6 +65,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, help="tasks in the load (default: the profile's)")
     parser.add_argument("--faults", help=f"comma-separated faults to inject, of: {', '.join(faults.FAULTS)} "
                                          "(default: the profile's; 'none' for none)")
+    parser.add_argument("--store", choices=("redis", "cluster"), default="redis",
+                        help="where the delayed store is: the standalone Redis (default) or the Redis Cluster of "
+                             "scripts/services (3 primaries, a replica each); Celery's broker and result backend "
+                             "stay on the standalone Redis")
     parser.add_argument("--out", type=Path, help="results folder (default: tests/chaos/results/<time>-<profile>)")
     parser.add_argument("--latest", action="store_true",
                         help="also copy the report to tests/chaos/results/latest.* (a full run always does)")
@@ -75,6 +79,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if unknown:
             parser.error(f"unknown faults {unknown}; known: {', '.join(faults.FAULTS)}")
         args.fault_names = names
+        cluster_only = [n for n in names if n in faults.CLUSTER_ONLY]
+        if cluster_only and args.store != "cluster":
+            parser.error(f"{', '.join(cluster_only)} needs the store on the Redis Cluster: add --store cluster")
     return args
 
 
@@ -85,18 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     name = "quick" if args.quick else "full"
     profile = PROFILES[name]
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    names = getattr(args, "fault_names", list(profile.faults))
+    names = getattr(args, "fault_names", [n for n in profile.faults
+                                          if args.store == "cluster" or n not in faults.CLUSTER_ONLY])
     folder = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     console = Console()
-    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900}
+    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900, **store_overrides(args.store)}
     app = create_app(**overrides)
     settings = app.amqp.delayed_settings
     run_info = {"command": "python -m tests.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
-                "profile": name, "seed": seed, "faults": names, "versions": versions(settings),
+                "profile": name, "store": args.store, "seed": seed, "faults": names, "versions": versions(settings),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                 "window_s": profile.window_s, "results": str(folder)}
-    console.print(f"chaos run, {name} profile, seed [bold]{seed}[/]: {args.tasks or profile.tasks} tasks, faults "
+    console.print(f"chaos run, {name} profile, store on {args.store}, seed [bold]{seed}[/]: {args.tasks or profile.tasks} tasks, faults "
                   f"{', '.join(names) or 'none'}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in run_info["versions"].items()))
     started = time.monotonic()
@@ -113,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{'PASS' if ok else '[red]FAIL[/]'}: {check_name}")
     console.print(f"wall time {run_info['wall_s']:.0f} s; report in {folder}")
     return 0 if result["verdict"]["ok"] else 1
+
+
+def store_overrides(store: str) -> dict[str, Any]:
+    """Settings that put the delayed store on the Redis Cluster of scripts/services (none for ``redis``)."""
+    if store == "redis":
+        return {}
+    return {"delayed_redis_url": f"redis://127.0.0.1:{os.environ.get('CD_REDIS_CLUSTER_PORT', '7001')}/0",
+            "delayed_redis_cluster": True}
 
 
 def _terminate(signum: int, _frame: Any) -> None:
@@ -139,8 +155,9 @@ class Run:
     def execute(self) -> dict[str, Any]:
         """Start the processes, schedule the load, inject the faults, wait, check; always stop what started."""
         for name in sorted({n for _, n in self.plan} & {"redis-kill9", "redis-restart", "kafka-restart",
-                                                         "kafka-outage", "etcd-restart", "etcd-wipe"}):
-            service = name.split("-")[0]
+                                                         "kafka-outage", "etcd-restart", "etcd-wipe",
+                                                         "redis-failover"}):
+            service = "redis-cluster-1" if name == "redis-failover" else name.split("-")[0]
             if not (self.cluster.services_dir / "run" / f"{service}.pid").exists():
                 raise SystemExit(f"{service} was not started by scripts/services: fault {name} may not stop it")
         try:

@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     console = Console()
-    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900, **store_overrides(args.store, args.schedule_wait)}
+    overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900,
+                 **store_overrides(args.store, args.schedule_wait)}
     app = create_app(**overrides)
     settings = app.amqp.delayed_settings
     run_info = {"command": "python -m tests.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
                 "profile": name, "store": args.store,
-                "schedule_wait": overrides.get("delayed_schedule_wait", ""), "seed": seed, "faults": names, "versions": versions(settings),
+                "schedule_wait": overrides.get("delayed_schedule_wait", ""), "seed": seed, "faults": names,
+                "versions": versions(settings),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                 "window_s": profile.window_s, "results": str(folder)}
     console.print(f"chaos run, {name} profile, store on {args.store} (delayed_schedule_wait "

@@ -50,6 +50,7 @@ def test_tasks_scheduled_across_a_primary_kill_and_promotion_all_run_once(overri
     poller = processes.poller()
     worker = processes.worker("w1", "-c", "2")
     kinds: dict[str, str] = {}
+    acked_at: list[float] = []
     stop = threading.Event()
 
     def load() -> None:  # 20 tasks a second, due 2-6 s later, a third of them retrying once
@@ -58,13 +59,16 @@ def test_tasks_scheduled_across_a_primary_kill_and_promotion_all_run_once(overri
             task_id = str(uuid.uuid4())
             kinds[task_id] = "retry" if i % 3 == 0 else "effect"
             schedule(app, path, task_id, kinds[task_id], 2 + (i % 5))
+            acked_at.append(time.monotonic())
             i += 1
             time.sleep(0.05)
 
     loader = threading.Thread(target=load, daemon=True)
     loader.start()
     time.sleep(6)  # tasks running, some due during the failover, some retries written just before it
+    killed = time.monotonic()
     note = redis_failover(SimpleNamespace(settings=app.amqp.delayed_settings, services_dir=servers.run_dir.parent))
+    back = time.monotonic()
     print(f"\n{note}")
     time.sleep(4)
     stop.set()
@@ -77,15 +81,17 @@ def test_tasks_scheduled_across_a_primary_kill_and_promotion_all_run_once(overri
         ran = {(t, a) for t, a in db.execute("SELECT task_id, attempt FROM runs")}
         return {t for t, a in final.items() if (t, a) in ran}
 
-    wait_for(lambda: len(finished()) == len(final), timeout=120,
+    wait_for(lambda: len(finished()) == len(final), timeout=180,
              what=f"all {len(final)} acknowledged tasks to run their final attempt")
     effects = dict(db.execute("SELECT task_id, COUNT(*) FROM effects GROUP BY task_id").fetchall())
     runs = dict(db.execute("SELECT task_id, COUNT(*) FROM runs WHERE attempt = 0 GROUP BY task_id").fetchall())
     twice = {t: n for t, n in runs.items() if n > 1}
     print(f"{len(final)} tasks acknowledged ({sum(k == 'retry' for k in acknowledged.values())} retrying once), "
           f"all ran; {len(twice)} first attempts ran twice (allowed: a claim or ack the failover undid), "
-          f"side effects {sum(effects.values())} for {sum(k == 'effect' for k in acknowledged.values())} tasks")
-    assert len(final) > 150
+          f"side effects {sum(effects.values())} for {sum(k == 'effect' for k in acknowledged.values())} tasks; "
+          f"{sum(killed < t < back for t in acked_at)} acknowledged during the failover")
+    # scheduled before the kill and after the promotion (during it, once a replica had it)
+    assert sum(t < killed for t in acked_at) > 20 and sum(t > back for t in acked_at) > 20, (killed, back, len(acked_at))
     assert all(effects.get(t) == 1 for t, k in acknowledged.items() if k == "effect"), \
         {t: effects.get(t) for t, k in acknowledged.items() if k == "effect" and effects.get(t) != 1}
     assert DeadLetters(store_of(app)).count() == 0

@@ -107,7 +107,7 @@ class Settings:
     #: (``WAITAOF``: fsynced to the primary's AOF, Redis >= 7.2; with ``replicas=N``
     #: also to N replicas' AOF), ``timeout=S`` (seconds, default 1), comma-separated,
     #: e.g. ``"replicas=1,timeout=0.5"``.  Empty: off (a write is acknowledged once in
-    #: the primary's memory).  Standalone Redis only.
+    #: the primary's memory).  On a Redis Cluster each primary a write went to is waited on.
     schedule_wait: str = ""
 
     @classmethod
@@ -172,8 +172,6 @@ class Settings:
                      "etcd_endpoints", f"must be [http(s)://]host:port[,...], got {redact_url(url)!r}")
         _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
                  "must not set bootstrap.servers (use delayed_kafka_servers)")
-        _require(not (self.schedule_wait and self.redis_cluster), "schedule_wait",
-                 "is not supported on a Redis Cluster (WAIT acknowledges one node's writes)")
         self.wait_policy  # raises on a bad schedule_wait
         try:
             kafka_limit = self.kafka_message_max_bytes

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import Enum
 from datetime import datetime, timezone
 from importlib import resources
-from typing import Callable, Iterable, Iterator, Sized
+from typing import Any, Callable, Iterable, Iterator, Sized
 
 import redis
 
@@ -278,7 +278,10 @@ class DelayedStore:
                                               args=[self.wake_channel, self.key(p, "t:"),
                                                     *flat[start:start + SCHEDULE_CHUNK * 4]],
                                               client=pipe)
-            self._wait_durable(pipe)
+            if isinstance(self.redis, redis.RedisCluster):  # waited for per node after the pipeline (_send)
+                pipe.delayed_partitions = sorted(by_partition)
+            else:
+                self._wait_durable(pipe)
             done += len(batch)
             yield pipe, len(batch)
 
@@ -305,12 +308,45 @@ class DelayedStore:
         self._waitaof_checked = True
 
     def _send(self, pipe: redis.client.Pipeline) -> list:
-        """Run a schedule pipeline; with ``delayed_schedule_wait``, check and drop its last reply (the wait's)."""
+        """Run a schedule pipeline; with ``delayed_schedule_wait``, check and drop its last reply (the wait's),
+        or on a cluster wait on each primary the pipeline wrote to (:meth:`_wait_on_nodes`)."""
         replies = self.execute(pipe)
         policy = self.settings.wait_policy
         if policy is None:
             return replies
-        acked = replies.pop()
+        if isinstance(self.redis, redis.RedisCluster):
+            self._wait_on_nodes(pipe.delayed_partitions)
+            return replies
+        self._check_durable(replies.pop())
+        return replies
+
+    def _wait_on_nodes(self, partitions: list[int]) -> None:
+        """``WAIT``/``WAITAOF`` on every primary that holds one of ``partitions``, after their writes.
+
+        Both count the writes of their own connection, and a cluster pipeline's connections are not
+        ours to use; but a primary's replication stream is ordered, so a write sent after the
+        pipeline's answer, on a connection of our own, is replicated after them: a ``SET`` of the
+        partition's short-lived ``wait`` key, then the wait.  A primary that moved meanwhile answers
+        ``MOVED`` (a store error): the write is then not confirmed, and scheduling again is safe.
+        """
+        policy = self.settings.wait_policy
+        by_node: dict[str, tuple[Any, int]] = {}
+        for p in partitions:
+            node = self.redis.get_node_from_key(self.key(p, "wait"))
+            by_node.setdefault(node.name, (node, p))
+        for node, p in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            pipe.execute_command("SET", self.key(p, "wait"), 1, "PX", 60_000)
+            if policy.aof:
+                self._require_waitaof()
+                pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
+            else:
+                pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
+            self._check_durable(self._unchecked(pipe.execute)[-1])
+
+    def _check_durable(self, acked: Any) -> None:
+        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets ``delayed_schedule_wait``."""
+        policy = self.settings.wait_policy
         local, replicas = acked if policy.aof else (1, acked)
         if not local or replicas < policy.replicas:
             raise StoreNotDurable(
@@ -318,7 +354,6 @@ class DelayedStore:
                 f"{self.settings.schedule_wait!r}): {replicas} of {policy.replicas} replicas acknowledged it"
                 f"{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
                 "fails now (scheduling them again is safe)")
-        return replies
 
     @classmethod
     def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:

@@ -21,6 +21,9 @@ BACK_WINDOW_MS = 2000
 CAUSE_SLACK_MS = 2000
 #: redis-server with ``appendfsync everysec`` may lose about this much (ms) of writes to a kill -9.
 FSYNC_WINDOW_MS = 2000
+#: A Redis Cluster primary killed with ``kill -9`` may take writes not yet sent to its replica (asynchronous
+#: replication: milliseconds' worth; this is generous) with it, unless ``delayed_schedule_wait`` waited for them.
+REPLICATION_WINDOW_MS = 2000
 
 
 @dataclass
@@ -99,6 +102,10 @@ def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected], pendi
         if first is not None and fault is not None and fault.name == "redis-kill9" \
                 and fault.start_ms - FSYNC_WINDOW_MS <= first <= fault.start_ms:
             why = "retry written to Redis within the last fsync (everysec) before its kill -9"
+        elif first is not None and fault is not None and fault.name == "redis-failover" \
+                and fault.start_ms - REPLICATION_WINDOW_MS <= first <= fault.start_ms:
+            why = ("retry acknowledged by the cluster primary just before its kill -9, not yet on its replica "
+                   "(asynchronous replication)")
         elif first is not None:
             why = "first attempt ran, its retry never did"
         elif fault is not None and fault.name == "etcd-wipe" and t_ms >= fault.start_ms:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import redis
+
 from celery_delayed.settings import Settings
 from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders
 
@@ -24,6 +26,10 @@ ETCD_LEADER_DOWN_S = 4.0
 
 #: Seconds of SIGSTOP 300 ms / SIGCONT 60 ms cycles of a CPU-starved poller.
 STARVE_S = 10.0
+#: Longest wait (s) for a killed cluster primary's replica to take over (cluster-node-timeout + election).
+PROMOTION_TIMEOUT_S = 60.0
+#: Nodes of the redis-cluster service of scripts/services (ports CD_REDIS_CLUSTER_PORT and on).
+CLUSTER_NODES = 6
 
 
 @dataclass
@@ -145,6 +151,67 @@ def redis_kill9(cluster: Cluster) -> str:
     return f"kill -9 redis {pid}; " + _services("up", "redis")
 
 
+def redis_failover(cluster: Cluster) -> str:
+    """kill -9 of the Redis Cluster primary holding the most store partitions; once its replica is
+    promoted (every live node says cluster_state:ok), ``scripts/services up`` of the killed node,
+    which rejoins as a replica.  Writes the primary acknowledged but had not sent to its replica yet
+    (asynchronous replication, microseconds to milliseconds of them) are lost to the failover."""
+    settings = cluster.settings
+    if not settings.redis_cluster:
+        raise RuntimeError("redis-failover needs the store on the Redis Cluster (--store cluster)")
+    base = int(os.environ.get("CD_REDIS_CLUSTER_PORT", "7001"))
+    client = redis.RedisCluster.from_url(settings.redis_url)
+    try:
+        held: dict[int, list[int]] = {}
+        for p in range(settings.partitions):
+            held.setdefault(client.get_node_from_key(f"{settings.key_prefix}:{{{p}}}:msg").port, []).append(p)
+    finally:
+        client.close()
+    port = max(held, key=lambda k: (len(held[k]), -k))
+    name = f"redis-cluster-{port - base + 1}"
+    replica = _replica_of(port)
+    start = time.monotonic()
+    pid = kill9(name)
+    live = [base + i for i in range(CLUSTER_NODES) if base + i != port]
+    while True:
+        if _role(replica) == "master" and all(_cluster_state(p) == "ok" for p in live):
+            break
+        if time.monotonic() - start > PROMOTION_TIMEOUT_S:
+            raise RuntimeError(f"replica {replica} of {name} not promoted within {PROMOTION_TIMEOUT_S:.0f} s")
+        time.sleep(0.1)
+    promoted_s = time.monotonic() - start
+    back = _services("up", name)
+    return (f"kill -9 {name} (port {port}, pid {pid}, primary of partitions {held[port]}); its replica on port "
+            f"{replica} promoted, cluster_state:ok after {promoted_s:.1f} s; {back}; {name} is now "
+            f"{'a replica' if _role(port) == 'slave' else _role(port)}")
+
+
+def _node(port: int) -> redis.Redis:
+    return redis.Redis("127.0.0.1", port, socket_timeout=2, socket_connect_timeout=1)
+
+
+def _replica_of(port: int) -> int:
+    """Port of the (first) replica of the primary on ``port``."""
+    info = _node(port).info("replication")
+    if info.get("role") != "master" or not info.get("slave0"):
+        raise RuntimeError(f"node on port {port} is not a primary with a replica: {info}")
+    return int(info["slave0"]["port"])
+
+
+def _role(port: int) -> str:
+    try:
+        return _node(port).info("replication")["role"]
+    except redis.RedisError:
+        return "down"
+
+
+def _cluster_state(port: int) -> str:
+    try:
+        return _node(port).cluster("info")["cluster_state"]
+    except redis.RedisError:
+        return "down"
+
+
 def _restart(name: str, outage_s: float = 0.0, wipe: Path | None = None) -> str:
     """``scripts/services down NAME``, ``outage_s`` later (and ``wipe`` deleted) ``up NAME``."""
     note = _services("down", name)
@@ -201,7 +268,10 @@ FAULTS: dict[str, Callable[[Cluster], str]] = {
     "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
     "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
     "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe, "etcd-leader-kill": etcd_leader_kill,
+    "redis-failover": redis_failover,
 }
+#: Faults that need the store on the Redis Cluster (``--store cluster``).
+CLUSTER_ONLY = ["redis-failover"]
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
 QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
          "kafka-restart", "etcd-restart", "etcd-leader-kill"]
@@ -211,7 +281,8 @@ LAST = ["etcd-wipe"]
 #: The servers (scripts/services names, each with its pid file) a fault stops and starts again.
 SERVERS = {"redis-kill9": ["redis"], "redis-restart": ["redis"], "kafka-restart": ["kafka"],
            "kafka-outage": ["kafka"], "etcd-restart": [f"{ETCD}-{m}" for m in (1, 2, 3)],
-           "etcd-wipe": [f"{ETCD}-{m}" for m in (1, 2, 3)], "etcd-leader-kill": [f"{ETCD}-{m}" for m in (1, 2, 3)]}
+           "etcd-wipe": [f"{ETCD}-{m}" for m in (1, 2, 3)], "etcd-leader-kill": [f"{ETCD}-{m}" for m in (1, 2, 3)],
+           "redis-failover": [f"redis-cluster-{n}" for n in range(1, CLUSTER_NODES + 1)]}
 
 
 def schedule(rng: random.Random, names: list[str], times: int, start_s: float, end_s: float

@@ -44,6 +44,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 `{run['command']}` — seed {run['seed']}, {result['tasks']} tasks due over {run['window_s']:.0f} s,
 2 pollers, 2 workers (prefork, -c 2); wall time {run['wall_s']:.0f} s. {versions}.
+Delayed store on {_store(run)}.
 
 {table(result)}
 
@@ -70,6 +71,13 @@ dead-letter queue: {dlq['held']} held, {dlq['meant_to_fail']} meant to fail; sto
 |---|---|---|---|---|
 {faults}
 """
+
+
+def _store(run: dict[str, Any]) -> str:
+    where = ("the Redis Cluster (3 primaries, a replica each)" if run.get("store") == "cluster"
+             else "the standalone Redis")
+    wait = run.get("schedule_wait")
+    return f"{where}, delayed_schedule_wait {wait!r}" if wait else f"{where}, schedule writes not waiting for replicas"
 
 
 def write(result: dict[str, Any], folder: Path, timeline: dict[str, Any]) -> list[Path]:

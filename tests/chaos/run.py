@@ -65,6 +65,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, help="tasks in the load (default: the profile's)")
     parser.add_argument("--faults", help=f"comma-separated faults to inject, of: {', '.join(faults.FAULTS)} "
                                          "(default: the profile's; 'none' for none)")
+    parser.add_argument("--store", choices=("redis", "cluster"), default="redis",
+                        help="where the delayed store is: the standalone Redis (default) or the Redis Cluster of "
+                             "scripts/services (3 primaries, a replica each); Celery's broker and result backend "
+                             "stay on the standalone Redis")
+    parser.add_argument("--schedule-wait", help="delayed_schedule_wait of the run (default: 'replicas=1,timeout=1' "
+                                                "with --store cluster, so a failover loses no acknowledged write; "
+                                                "'' for none)")
     parser.add_argument("--out", type=Path, help="results folder (default: tests/chaos/results/<time>-<profile>)")
     parser.add_argument("--latest", action="store_true",
                         help="also copy the report to tests/chaos/results/latest.* (a full run always does)")
@@ -75,6 +82,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if unknown:
             parser.error(f"unknown faults {unknown}; known: {', '.join(faults.FAULTS)}")
         args.fault_names = names
+        cluster_only = [n for n in names if n in faults.CLUSTER_ONLY]
+        if cluster_only and args.store != "cluster":
+            parser.error(f"{', '.join(cluster_only)} needs the store on the Redis Cluster: add --store cluster")
     return args
 
 
@@ -85,20 +95,24 @@ def main(argv: list[str] | None = None) -> int:
     name = "quick" if args.quick else "full"
     profile = PROFILES[name]
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    names = getattr(args, "fault_names", list(profile.faults))
+    names = getattr(args, "fault_names", [n for n in profile.faults
+                                          if args.store == "cluster" or n not in faults.CLUSTER_ONLY])
     folder = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     console = Console()
     # leadership through the 3-member etcd cluster (scripts/services up etcd3), which the etcd faults act on
     overrides = {**new_overrides(partitions=8, lease_ttl=5), "result_expires": 900,
-                 "delayed_etcd_endpoints": ETCD3_ENDPOINTS}
+                 "delayed_etcd_endpoints": ETCD3_ENDPOINTS, **store_overrides(args.store, args.schedule_wait)}
     app = create_app(**overrides)
     settings = app.amqp.delayed_settings
     run_info = {"command": "python -m tests.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
-                "profile": name, "seed": seed, "faults": names, "versions": versions(settings),
+                "profile": name, "store": args.store,
+                "schedule_wait": overrides.get("delayed_schedule_wait", ""), "seed": seed, "faults": names,
+                "versions": versions(settings),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                 "window_s": profile.window_s, "results": str(folder)}
-    console.print(f"chaos run, {name} profile, seed [bold]{seed}[/]: {args.tasks or profile.tasks} tasks, faults "
+    console.print(f"chaos run, {name} profile, store on {args.store} (delayed_schedule_wait "
+                  f"{run_info['schedule_wait']!r}), seed [bold]{seed}[/]: {args.tasks or profile.tasks} tasks, faults "
                   f"{', '.join(names) or 'none'}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in run_info["versions"].items()))
     started = time.monotonic()
@@ -115,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{'PASS' if ok else '[red]FAIL[/]'}: {check_name}")
     console.print(f"wall time {run_info['wall_s']:.0f} s; report in {folder}")
     return 0 if result["verdict"]["ok"] else 1
+
+
+def store_overrides(store: str, schedule_wait: str | None = None) -> dict[str, Any]:
+    """Settings that put the delayed store on the Redis Cluster of scripts/services (none for ``redis``), its
+    schedule writes waiting for a replica unless ``schedule_wait`` says otherwise."""
+    wait = {} if schedule_wait is None else {"delayed_schedule_wait": schedule_wait}
+    if store == "redis":
+        return wait
+    return {"delayed_redis_url": f"redis://127.0.0.1:{os.environ.get('CD_REDIS_CLUSTER_PORT', '7001')}/0",
+            "delayed_redis_cluster": True, "delayed_schedule_wait": "replicas=1,timeout=1", **wait}
 
 
 def _terminate(signum: int, _frame: Any) -> None:

@@ -5,7 +5,7 @@ Each test gets its own key prefix, topic prefix, consumer group and broker
 queue, so tests never see each other's tasks.
 
 A module marked ``pytest.mark.cluster_too`` runs each of its tests twice: with
-the store on the standalone Redis, and on the 3-node Redis Cluster of
+the store on the standalone Redis, and on the Redis Cluster (3 primaries, a replica each) of
 ``scripts/services up redis-cluster`` (the result backend and broker stay on
 the standalone Redis either way).
 """

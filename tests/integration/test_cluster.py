@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_delayed import store_of
-from celery_delayed.store import DelayedStore
+from celery_delayed.store import DelayedStore, StoreNotDurable
 from tasks import create_app
 
 from .support import envelopes, wait_for
@@ -91,3 +91,17 @@ def test_tasks_scheduled_on_the_cluster_are_dispatched_and_run_once(overrides, p
     runs = {k.decode(): int(v) for k, v in store.redis.hgetall(f"demo:{run}:runs").items()}
     assert runs == dict.fromkeys(ids, 1)
     assert sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0
+
+
+def test_schedule_wait_waits_for_each_written_primarys_replica(overrides):
+    """``delayed_schedule_wait`` on a cluster: every primary has one replica, so replicas=1 is met on all
+    of them and replicas=2 on none (a wait that went to a node without those writes would pass at once)."""
+    store = DelayedStore(settings_for(overrides, partitions=16, schedule_wait="replicas=1,timeout=2"))
+    assert store.schedule_many(envelopes(300, "q", store.now_ms() + 60_000)) == 300
+    strict = DelayedStore(settings_for(overrides, partitions=16, schedule_wait="replicas=2,timeout=0.3"))
+    started = time.monotonic()
+    with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 1 of 2 replicas acknowledged it"):
+        strict.schedule_many(envelopes(10, "q", store.now_ms() + 60_000, prefix="strict"))
+    assert time.monotonic() - started >= 0.3
+    # the tasks are on the primaries, as the error says, and scheduling them again keeps one copy
+    assert sum(r["scheduled"] for r in store.counts()) == 310

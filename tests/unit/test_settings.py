@@ -137,9 +137,9 @@ def test_bad_schedule_wait_is_refused(value):
         Settings.from_mapping({"schedule_wait": value})
 
 
-def test_schedule_wait_is_refused_on_a_redis_cluster():
-    with pytest.raises(ConfigurationError, match="delayed_schedule_wait is not supported on a Redis Cluster"):
-        Settings.from_mapping({"schedule_wait": "replicas=1", "redis_cluster": True})
+def test_schedule_wait_is_accepted_on_a_redis_cluster():
+    settings = Settings.from_mapping({"schedule_wait": "replicas=1", "redis_cluster": True})
+    assert settings.wait_policy.replicas == 1
 
 
 @pytest.mark.parametrize("url, shown", [

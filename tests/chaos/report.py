@@ -27,8 +27,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [HEADER]
     for row in result["faults"]:
         lines.append(f"| {row['fault']} | {row['injected']} | {_lost(row)} | {row['duplicate_deliveries']} "
-                     f"| {row['duplicate_runs']} | {row['duplicate_effects']} | {_recovery(row['dispatch_recovery_s'])} "
-                     f"| {_recovery(row['recovery_s'])} |")
+                     f"| {row['duplicate_runs']} | {row['duplicate_effects']} "
+                     f"| {_recovery(row['dispatch_recovery_s'])} | {_recovery(row['recovery_s'])} |")
     return "\n".join(lines)
 
 

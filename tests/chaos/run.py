@@ -74,7 +74,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "'' for none)")
     parser.add_argument("--out", type=Path, help="results folder (default: tests/chaos/results/<time>-<profile>)")
     parser.add_argument("--latest", action="store_true",
-                        help="also copy the report to tests/chaos/results/latest.* (a full run always does)")
+                        help="also copy the report to tests/chaos/results/latest.* (latest-cluster.* with "
+                             "--store cluster; a full run always does)")
     args = parser.parse_args(argv)
     if args.faults:
         names = [] if args.faults == "none" else args.faults.split(",")
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     result["run"] = run_info
     paths = report.write(result["verdict"] | {"run": run_info, "injected": result["injected"]}, folder,
                          result["timeline"])
-    if name == "full" or args.latest:
+    if name == "full" or args.latest:  # latest.* for the store on standalone Redis, latest-cluster.* on the cluster
         for path in paths:
-            shutil.copyfile(path, RESULTS / f"latest{path.suffix}")
+            shutil.copyfile(path, RESULTS / f"latest{'-cluster' if args.store == 'cluster' else ''}{path.suffix}")
     print(report.table(result["verdict"]), flush=True)
     for check_name, ok in result["verdict"]["checks"].items():
         console.print(f"{'PASS' if ok else '[red]FAIL[/]'}: {check_name}")
@@ -182,7 +183,8 @@ class Run:
         t0_ms = min(t.due_ms for t in tasks)
         runs = ledger.runs(db)
         return {"verdict": verdict,
-                "injected": [{**asdict(f), "at_s": (f.start_ms - t0_ms) / 1000, "took_s": (f.end_ms - f.start_ms) / 1000}
+                "injected": [{**asdict(f), "at_s": (f.start_ms - t0_ms) / 1000,
+                              "took_s": (f.end_ms - f.start_ms) / 1000}
                              for f in self.injected],
                 "timeline": {"t0_ms": t0_ms, "starts_ms": [r[3] for r in runs],
                              "lags": [(r[4], r[3] - r[4]) for r in check.firsts(runs)], "faults": self.injected,

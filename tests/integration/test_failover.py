@@ -91,7 +91,8 @@ def test_tasks_scheduled_across_a_primary_kill_and_promotion_all_run_once(overri
           f"side effects {sum(effects.values())} for {sum(k == 'effect' for k in acknowledged.values())} tasks; "
           f"{sum(killed < t < back for t in acked_at)} acknowledged during the failover")
     # scheduled before the kill and after the promotion (during it, once a replica had it)
-    assert sum(t < killed for t in acked_at) > 20 and sum(t > back for t in acked_at) > 20, (killed, back, len(acked_at))
+    assert sum(t < killed for t in acked_at) > 20 and sum(t > back for t in acked_at) > 20, \
+        (killed, back, len(acked_at))
     assert all(effects.get(t) == 1 for t, k in acknowledged.items() if k == "effect"), \
         {t: effects.get(t) for t, k in acknowledged.items() if k == "effect" and effects.get(t) != 1}
     assert DeadLetters(store_of(app)).count() == 0

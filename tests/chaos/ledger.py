@@ -33,14 +33,6 @@ def done(db: sqlite3.Connection) -> int:
                       "(SELECT 1 FROM runs r WHERE r.task_id = p.task_id AND r.attempt = p.final)").fetchone()[0]
 
 
-def late(db: sqlite3.Connection, from_ms: int, to_ms: int, on_time_ms: int) -> int:
-    """Tasks first due in ``[from_ms, to_ms]`` (not revoked) that did not start within ``on_time_ms`` of it."""
-    return db.execute(
-        "SELECT COUNT(*) FROM plan p WHERE p.role != 'revoke' AND COALESCE(p.new_due_ms, p.due_ms) BETWEEN ? AND ? "
-        "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = p.task_id AND r.attempt = 0 "
-        "AND r.start_ms <= COALESCE(p.new_due_ms, p.due_ms) + ?)", (from_ms, to_ms, on_time_ms)).fetchone()[0]
-
-
 def runs(db: sqlite3.Connection) -> list[tuple[str, int, int, int, int]]:
     """Every execution, ``(task_id, attempt, pid, start_ms, due_ms)``, in start order; ``due_ms`` is
     that attempt's: the first (or rescheduled) due time, or when the previous attempt's retry was due."""

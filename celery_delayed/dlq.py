@@ -5,7 +5,9 @@ Stored in Redis beside the store (``<prefix>:{dlq}:msg`` HASH and
 so it survives restarts of every component.  A record is one JSON line
 (reason, traceback, attempts, time, source) followed by the original bytes.
 Operators list and read records, requeue them (back through the store, due
-now, under the same task id) or purge them (``celery delayed dlq ...``).
+now, under the same task id) or purge them (``celery delayed dlq ...``).  The
+queue keeps ``delayed_dlq_max_age`` seconds and ``delayed_dlq_max_entries``
+letters at most: each new letter drops the oldest ones past either.
 A message parked before it ran also gets a FAILURE result (:meth:`DeadLetters.park`),
 so whoever waits on it learns why instead of waiting for ever.
 """
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 REQUEUE_CHUNK = 500
 #: Bytes of an undecodable message shown to operators.
 PREVIEW_BYTES = 200
+#: Most letters one :meth:`DeadLetters.add` drops to keep the queue within its retention.
+TRIM_LIMIT = 100
 
 
 class DeadLetterError(ValueError):
@@ -104,8 +108,17 @@ class DeadLetters:
                          for name in ("dead_letter", "remove_dead_letter", "purge_dead_letters")}
 
     def add(self, letter: DeadLetter) -> None:
+        """Park ``letter``, and drop the oldest letters past ``delayed_dlq_max_age`` or beyond
+        ``delayed_dlq_max_entries`` (at most :data:`TRIM_LIMIT` per call)."""
         letter.timestamp = letter.timestamp or time.time()
-        self._scripts["dead_letter"](keys=self.keys, args=[letter.task_id, letter.encode()])
+        settings = self.store.settings
+        _, trimmed = self._scripts["dead_letter"](
+            keys=self.keys, args=[letter.task_id, letter.encode(), int(settings.dlq_max_age * 1000),
+                                  settings.dlq_max_entries, TRIM_LIMIT])
+        if trimmed:
+            logger.warning("dead-letter queue: dropped its %d oldest letter(s), past delayed_dlq_max_age=%ss "
+                           "or beyond delayed_dlq_max_entries=%d", trimmed, settings.dlq_max_age,
+                           settings.dlq_max_entries)
 
     def park(self, letter: DeadLetter, backend: ResultBackend | None) -> None:
         """:meth:`add` a message that will not run, and record its FAILURE in ``backend`` (the app's
@@ -136,6 +149,11 @@ class DeadLetters:
 
     def count(self) -> int:
         return self.store.redis.zcard(self.keys[1])
+
+    def oldest_age(self) -> float | None:
+        """Seconds since the oldest dead letter was parked (by Redis' clock); None when there is none."""
+        oldest = self.store.redis.zrange(self.keys[1], 0, 0, withscores=True)
+        return max(0.0, (self.store.now_ms() - oldest[0][1]) / 1000) if oldest else None
 
     # -- requeue -------------------------------------------------------------
     def requeue(self, task_id: str, backend: ResultBackend | None = None) -> bool:

@@ -74,9 +74,13 @@ class StoreCollector(Collector):
             inflight.add_metric([p], row["inflight"])
             overdue.add_metric([p], row["overdue"])
             overdue_age.add_metric([p], row["oldest_overdue_s"] or 0.0)
+        letters = DeadLetters(store)
         dead = GaugeMetricFamily("celery_delayed_dead_letters", "Messages in the dead-letter queue")
-        dead.add_metric([], DeadLetters(store).count())
-        yield from (scheduled, inflight, overdue, overdue_age, dead)
+        dead.add_metric([], letters.count())
+        dead_age = GaugeMetricFamily("celery_delayed_oldest_dead_letter_seconds",
+                                     "How long ago the oldest message in the dead-letter queue was parked")
+        dead_age.add_metric([], letters.oldest_age() or 0.0)
+        yield from (scheduled, inflight, overdue, overdue_age, dead, dead_age)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
         from .kafka import consumer_lag

@@ -88,6 +88,11 @@ class Settings:
     #: Park every task that fails for good (retries exhausted, or none allowed) in the
     #: dead-letter queue, with its arguments, error and traceback, for requeueing.
     dead_letter_failures: bool = True
+    #: Seconds a dead letter is kept (0 = for ever): older ones are dropped as new ones
+    #: arrive.  A week, so a weekend's failures are still there on Monday.
+    dlq_max_age: float = 7 * 86_400.0
+    #: Most dead letters kept (0 = no limit): the oldest beyond it are dropped as new ones arrive.
+    dlq_max_entries: int = 100_000
     #: Lease of a worker's claim to run a task_id, in seconds; extended while the
     #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
     run_lease: float = 15.0
@@ -155,6 +160,8 @@ class Settings:
                  "may hold only letters, digits, '.', '_' and '-'")
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
         _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
+        _require(self.dlq_max_age >= 0, "dlq_max_age", "must be >= 0 seconds (0 = keep for ever)")
+        _require(self.dlq_max_entries >= 0, "dlq_max_entries", "must be >= 0 (0 = no limit)")
         _require(self.revoke_days > 0, "revoke_days", "must be > 0")
         _require(self.done_ttl >= 0, "done_ttl", "must be >= 0 seconds (0 = off)")
         scheme = urlsplit(self.redis_url).scheme

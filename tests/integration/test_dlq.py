@@ -170,6 +170,37 @@ def test_purge_one_and_all(letters):
     assert letters.purge_all() == 0
 
 
+def test_the_queue_keeps_its_newest_letters_within_max_entries(overrides):
+    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_entries=5)))
+    for i in range(8):
+        park(letters, 1, prefix=f"t{i}")
+        time.sleep(0.002)  # ordered by Redis time in ms
+    assert letters.count() == 5
+    assert {x.task_id for x in letters.list()} == {f"t{i}-0" for i in range(3, 8)}
+    assert letters.store.redis.hlen(letters.keys[0]) == 5, "a trimmed letter left its record behind"
+
+
+def test_letters_older_than_max_age_are_dropped_as_new_ones_arrive(overrides):
+    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_age=1.0)))
+    park(letters, 3, prefix="old")
+    assert 0 <= letters.oldest_age() < 1.0
+    time.sleep(1.2)
+    park(letters, 1, prefix="new")
+    assert [x.task_id for x in letters.list()] == ["new-0"]
+    assert letters.store.redis.hlen(letters.keys[0]) == 1
+
+
+def test_a_long_queue_is_trimmed_a_bounded_number_at_a_time(overrides, monkeypatch):
+    monkeypatch.setattr(dlq_module, "TRIM_LIMIT", 3)
+    park(DeadLetters(DelayedStore(settings_for(overrides))), 10)  # parked with no limit in force
+    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_entries=2)))
+    park(letters, 1, prefix="a")
+    assert letters.count() == 11 - 3  # at most TRIM_LIMIT dropped per letter parked
+    for i in range(3):
+        park(letters, 1, prefix=f"b{i}")
+    assert letters.count() == 2
+
+
 # -- the CLI -------------------------------------------------------------------
 def test_cli_list_and_show(overrides, letters):
     park(letters, 2)

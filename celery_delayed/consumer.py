@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from celery import bootsteps, signals
+from celery import bootsteps, signals, states
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
 from celery.exceptions import BackendError
@@ -363,8 +363,8 @@ class KafkaFeed:
             self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
             return
         task_id = envelope.task_id
-        if finished(self.c.app.backend, task_id):
-            self._skip_finished(task_id, partition, offset)
+        if meta := finished(self.c.app.backend, task_id):
+            self._skip_finished(task_id, record, partition, meta)
             return
         wait_ms = self.claims.acquire(task_id, attempt_of(headers))
         if wait_ms == REVOKED:
@@ -374,7 +374,7 @@ class KafkaFeed:
             self._settle(partition, offset)
             return
         if wait_ms == FINISHED:
-            self._skip_finished(task_id, partition, offset)
+            self._skip_finished(task_id, record, partition)
             return
         if wait_ms:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()
@@ -395,9 +395,9 @@ class KafkaFeed:
                      strategy: Any, read_ms: int) -> None:
         """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
         task_id, offset = envelope.task_id, record.offset()
-        if finished(self.c.app.backend, task_id):  # finished between the check and the claim
+        if meta := finished(self.c.app.backend, task_id):  # finished between the check and the claim
             self._release(task_id)
-            self._skip_finished(task_id, partition, offset)
+            self._skip_finished(task_id, record, partition, meta)
             return
         # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
         # where the process running it finds it for request.eta, remembers when it finished,
@@ -456,10 +456,28 @@ class KafkaFeed:
         self._draining.discard(task_id)
         self.claims.release(task_id)
 
-    def _skip_finished(self, task_id: str, partition: PartitionOffsets, offset: int) -> None:
+    def _skip_finished(self, task_id: str, record: Any, partition: PartitionOffsets,
+                       meta: dict | None = None) -> None:
+        """Acknowledge a copy of a task that already ended, without running it.
+
+        A task that failed for good whose worker was killed after Celery stored
+        the FAILURE but before it was parked is parked now, from this copy, so
+        the dead-letter queue still holds every task that failed for good.
+        """
         logger.debug("task %s already finished: delivery acknowledged without running", task_id)
+        if (meta and meta.get("status") == states.FAILURE and self.settings.dead_letter_failures
+                and not self.dead_letters.holds(task_id)):
+            logger.warning("task %s failed for good but was never parked (its worker died first): parked now",
+                           task_id)
+            error = meta.get("result")
+            self.dead_letters.add(DeadLetter(
+                task_id=task_id, source="worker",
+                reason=f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else repr(error),
+                traceback=meta.get("traceback") or "", attempts=(meta.get("retries") or 0) + 1,
+                message=record.value()))
+            metrics.DEAD_LETTERED.labels("worker").inc()
         metrics.SKIPPED_FINISHED.inc()
-        self._settle(partition, offset)
+        self._settle(partition, record.offset())
 
     def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
         task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"

@@ -147,6 +147,10 @@ class DeadLetters:
             return []
         return [DeadLetter.decode(d) for d in self.store.redis.hmget(self.keys[0], ids) if d is not None]
 
+    def holds(self, task_id: str) -> bool:
+        """Whether a dead letter of ``task_id`` is parked (its record is not read)."""
+        return bool(self.store.redis.hexists(self.keys[0], task_id))
+
     def count(self) -> int:
         return self.store.redis.zcard(self.keys[1])
 

@@ -170,8 +170,10 @@ def attempt_of(headers: dict) -> int:
     return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
 
 
-def finished(backend, task_id: str) -> bool:
-    """Whether the result backend holds a terminal state (success, failure, revoked) for the id."""
+def finished(backend, task_id: str) -> dict | None:
+    """The result backend's meta of the id when it holds a terminal state (success, failure,
+    revoked), else None."""
     if isinstance(backend, DisabledBackend):
-        return False
-    return backend.get_task_meta(task_id).get("status") in states.READY_STATES
+        return None
+    meta = backend.get_task_meta(task_id)
+    return meta if meta.get("status") in states.READY_STATES else None

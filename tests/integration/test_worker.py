@@ -149,6 +149,29 @@ def test_a_late_duplicate_of_a_task_whose_result_is_ignored_does_not_run_again(o
     assert int(r.hget(f"demo:{run}:runs", quiet.id)) == 1
 
 
+def test_a_task_that_failed_for_good_but_was_never_parked_is_parked_from_its_next_copy(overrides, processes):
+    """The worker was killed after Celery stored the task's FAILURE and before the task was parked
+    (the chaos suite's worker-kill hit that window): the redelivered copy is not run, the task
+    having ended, but parked, so the dead-letter queue holds every task that failed for good."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    result, envelope = taken_out(app, "tasks.demo.work", (run,))
+    app.backend.mark_as_failure(result.id, RuntimeError("failed for good"), traceback="Traceback (...)")
+    producer, topic = kafka_queue(app)
+    processes.worker("w1")
+    producer.produce(topic, key=result.id, value=envelope)
+    producer.flush(10)
+    letters = DeadLetters(store_of(app))
+    wait_for(lambda: letters.holds(result.id), 60, "the task to be parked")
+    letter = letters.get(result.id)
+    assert (letter.reason, letter.traceback, letter.message) == ("RuntimeError: failed for good",
+                                                                 "Traceback (...)", envelope)
+    wait_for(lambda: committed(app) == 1, 30, "the copy to be acknowledged")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    assert not r.exists(f"demo:{run}:runs"), "a task that had ended ran again"
+
+
 def test_poison_message_goes_to_the_dead_letter_queue_and_the_worker_goes_on(overrides, processes):
     app = create_app(**overrides)
     producer, topic = kafka_queue(app)

@@ -27,7 +27,7 @@ from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
-from .once import FROM_KAFKA, attempt_of
+from .once import attempt_of
 from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
 from .store import STORE_ERRORS, DelayedStore, Stored
@@ -180,9 +180,11 @@ class _StoreProducer:
     def _write(self, envelope: Envelope, stored: bytes, retry: bool | None, policy: dict) -> None:
         """Store the task, retrying an unreachable store by the publish retry policy.
 
-        The retry of a task that runs from Kafka is retried until it is stored:
-        given up, Celery would fail the task for good (``Task.retry`` turns the
-        error into ``Reject(requeue=False)``), while the task was never done.
+        The retry of the task running here is retried until it is stored, whether
+        Kafka or Celery's broker delivered it (a task due sooner than
+        ``delayed_min_delay`` goes to the broker, its retry to the store): given up,
+        Celery would fail the task for good (``Task.retry`` turns the error into
+        ``Reject(requeue=False)``), while the task was never done.
         A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
         """
         own_retry = _is_own_retry(envelope)
@@ -206,6 +208,6 @@ class _StoreProducer:
 
 
 def _is_own_retry(envelope: Envelope) -> bool:
-    """Whether this message is the retry of the task running here, delivered from Kafka."""
+    """Whether this message is the retry of the task a worker runs here (not a direct call)."""
     request = current_task.request if current_task else None
-    return bool(request is not None and getattr(request, FROM_KAFKA, None) and request.id == envelope.task_id)
+    return bool(request is not None and not request.called_directly and request.id == envelope.task_id)

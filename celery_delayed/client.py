@@ -30,13 +30,9 @@ from .envelope import Envelope, deflate, serialize
 from .once import attempt_of
 from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
-from .store import STORE_ERRORS, DelayedStore, Stored
+from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS, DelayedStore, Stored
 
 logger = logging.getLogger(__name__)
-
-#: Longest wait (s) between store writes of a task's own retry while the store is down.
-OWN_RETRY_MAX_INTERVAL = 2.0
-
 
 class DelayedPublishError(ValueError):
     """A delayed task could not be stored as given; nothing was written."""
@@ -201,7 +197,7 @@ class _StoreProducer:
             kwargs={"attempt": attempt_of(envelope.headers)}, errback=on_error,
             max_retries=None if own_retry else policy.get("max_retries", 3),
             interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
-            interval_max=max(policy.get("interval_max", 0.2), OWN_RETRY_MAX_INTERVAL if own_retry else 0))
+            interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if own_retry else 0))
         if outcome is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, envelope.task_id)

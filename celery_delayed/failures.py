@@ -19,9 +19,11 @@ import re
 from typing import Any
 
 from celery import Celery, Task, signals
+from kombu.utils.functional import retry_over_time
 
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, serialize
+from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,27 @@ def park_failures(app: Celery) -> None:
                                 source="worker", traceback=str(einfo or ""),
                                 attempts=(sender.request.retries or 0) + 1,
                                 message=_envelope(sender, task_id, args or (), kwargs or {}))
-            DeadLetters(app.amqp.delayed_store).add(letter)
+            _park(DeadLetters(app.amqp.delayed_store), letter, until_parked=sender.request.id == task_id)
         except Exception:  # the failure itself is already recorded by Celery; never mask it
             logger.exception("could not park failed task %s in the dead-letter queue", task_id)
 
     signals.task_failure.connect(on_failure, weak=False)
+
+
+def _park(dead_letters: DeadLetters, letter: DeadLetter, until_parked: bool) -> None:
+    """Add ``letter``; in the pool child that ran the task (``until_parked``), retry while the
+    store is down, as the retry of a running task is: its message is acknowledged once this
+    returns, and nothing else would park it.  The worker's main process (a failure Celery records
+    there, its request not running) must not stall its event loop: it tries once."""
+
+    def on_error(exc: Exception, intervals: Any, retries: int) -> float:
+        wait = next(intervals)
+        logger.warning("task %s failed for good, but the dead-letter queue cannot be written (%s); "
+                       "retry %d in %.1f s", letter.task_id, exc, retries + 1, wait)
+        return wait
+
+    retry_over_time(dead_letters.add, STORE_ERRORS if until_parked else (), args=(letter,), errback=on_error,
+                    interval_start=0, interval_step=0.2, interval_max=PERSIST_MAX_INTERVAL)
 
 
 def after_body(traceback: str | None) -> bool:

@@ -85,6 +85,9 @@ class StoreNotDurable(StoreUnavailable):
 #: What a call to the store's Redis raises when it should simply be tried again later:
 #: unreachable (standalone or cluster), read-only after a failover, out of memory...
 STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
+#: Longest wait (s) between tries of a store write that is never given up while the store is
+#: down: a running task's retry, or its dead letter (given up, the task would be lost).
+PERSIST_MAX_INTERVAL = 2.0
 
 
 class LayoutMismatch(ConfigurationError):

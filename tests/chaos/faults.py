@@ -151,11 +151,11 @@ def redis_kill9(cluster: Cluster) -> str:
     return f"kill -9 redis {pid}; " + _services("up", "redis")
 
 
-def redis_failover(cluster: Cluster) -> str:
-    """kill -9 of the Redis Cluster primary holding the most store partitions; once its replica is
-    promoted (every live node says cluster_state:ok), ``scripts/services up`` of the killed node,
-    which rejoins as a replica.  Writes the primary acknowledged but had not sent to its replica yet
-    (asynchronous replication, microseconds to milliseconds of them) are lost to the failover."""
+def redis_failover(cluster: Cluster, key: str | None = None) -> str:
+    """kill -9 of the Redis Cluster primary holding the most store partitions (or ``key``); once its
+    replica is promoted (every live node says cluster_state:ok), ``scripts/services up`` of the
+    killed node, which rejoins as a replica.  Writes the primary acknowledged but had not sent to its
+    replica yet (asynchronous replication, microseconds to milliseconds of them) are lost to the failover."""
     settings = cluster.settings
     if not settings.redis_cluster:
         raise RuntimeError("redis-failover needs the store on the Redis Cluster (--store cluster)")
@@ -165,9 +165,9 @@ def redis_failover(cluster: Cluster) -> str:
         held: dict[int, list[int]] = {}
         for p in range(settings.partitions):
             held.setdefault(client.get_node_from_key(f"{settings.key_prefix}:{{{p}}}:msg").port, []).append(p)
+        port = client.get_node_from_key(key).port if key else max(held, key=lambda k: (len(held[k]), -k))
     finally:
         client.close()
-    port = max(held, key=lambda k: (len(held[k]), -k))
     name = f"redis-cluster-{port - base + 1}"
     replica = _replica_of(port)
     start = time.monotonic()
@@ -181,7 +181,7 @@ def redis_failover(cluster: Cluster) -> str:
         time.sleep(0.1)
     promoted_s = time.monotonic() - start
     back = _services("up", name)
-    return (f"kill -9 {name} (port {port}, pid {pid}, primary of partitions {held[port]}); its replica on port "
+    return (f"kill -9 {name} (port {port}, pid {pid}, primary of partitions {held.get(port, [])}); its replica on port "
             f"{replica} promoted, cluster_state:ok after {promoted_s:.1f} s; {back}; {name} is now "
             f"{'a replica' if _role(port) == 'slave' else _role(port)}")
 

@@ -19,7 +19,6 @@ import pytest
 
 from celery_delayed import StoreUnavailable, store_of
 from celery_delayed.dlq import DeadLetters
-from celery_delayed.store import partition_of
 from tasks import create_app
 from tasks.chaos import ledger
 from tests.chaos.faults import redis_failover
@@ -101,38 +100,49 @@ def test_tasks_scheduled_across_a_primary_kill_and_promotion_all_run_once(overri
 
 
 @pytest.mark.timeout(240)
-def test_the_retry_of_a_task_the_broker_delivered_is_stored_across_a_primary_failover(overrides, processes,
-                                                                                       servers, tmp_path):
+def test_what_running_tasks_write_to_the_store_across_a_primary_failover_is_kept(overrides, processes,
+                                                                                  servers, tmp_path):
     """Tasks sent without a countdown go through Celery's broker (the standalone Redis, up all
-    along); their retry, 3 s later, goes to the store, on a cluster whose primary was just killed.
-    Until its replica is promoted (seconds) the writes of its partitions are refused: the retry of
-    a running task is retried until stored, whoever delivered the task; given up after Celery's
-    publish retry policy (~1 s) the task would fail for good, never having run its retry."""
+    along) just after the primary holding the dead-letter queue and some partitions was killed.
+    Until its replica is promoted (seconds) its writes are refused.  Given up after Celery's publish
+    retry policy (~1 s), each would lose a task: a retry (of a task the broker delivered: its retry
+    goes to the store) that never runs, a task failing for good that is never parked.  Both are
+    tried until the store takes them."""
     servers.require_ours("redis-cluster-1")
+    overrides.update(delayed_partitions=16)  # every primary holds some
     app = create_app(**overrides)
     path = str(tmp_path / "ledger.db")
     ledger(path)
     processes.poller()
-    worker = processes.worker("w1", "-c", "4")
-    partitions = app.amqp.delayed_settings.partitions
+    worker = processes.worker("w1", "-c", "12")  # every task at once: a write tried until stored holds its child
+    store = store_of(app)
+    dlq_key = DeadLetters(store).keys[0]
+    doomed = store.redis.get_node_from_key(dlq_key).port
     ids: list[str] = []
-    while len(ids) < 2 * partitions:  # two tasks in each partition: some are on the killed primary
+    while len(ids) < 8:  # tasks whose retry goes to a partition of the killed primary
         task_id = str(uuid.uuid4())
-        if sum(partition_of(t, partitions) == partition_of(task_id, partitions) for t in ids) < 2:
+        if store.redis.get_node_from_key(store.key(store.partition(task_id), "msg")).port == doomed:
             ids.append(task_id)
+    failing = [str(uuid.uuid4()) for _ in range(4)]
     failover = threading.Thread(target=redis_failover, args=(
-        SimpleNamespace(settings=app.amqp.delayed_settings, services_dir=servers.run_dir.parent),), daemon=True)
+        SimpleNamespace(settings=app.amqp.delayed_settings, services_dir=servers.run_dir.parent), dlq_key),
+        daemon=True)
     failover.start()
     time.sleep(1)  # the primary is dead; its replica is promoted seconds later
-    for task_id in ids:
-        app.tasks["tasks.chaos.step"].apply_async((path, "retry", int(time.time() * 1000)), task_id=task_id)
+    for kind, task_ids in (("fail", failing), ("retry", ids)):
+        for task_id in task_ids:
+            app.tasks["tasks.chaos.step"].apply_async((path, kind, int(time.time() * 1000)), task_id=task_id)
     failover.join(timeout=120)
     db = ledger(path)
     wait_for(lambda: db.execute("SELECT COUNT(DISTINCT task_id) FROM runs WHERE attempt = 1").fetchone()[0]
              == len(ids), timeout=120, what=f"the retries of all {len(ids)} tasks to run")
-    refused = processes.log(worker).count("store write failed")
-    print(f"\n{len(ids)} broker-delivered tasks retried through the store across the failover; "
-          f"{refused} retry writes refused and tried again")
-    assert refused > 0, "no retry was written while the primary was down: the test did not test the window"
+    dead_letters = DeadLetters(store)
+    wait_for(lambda: all(dead_letters.holds(t) for t in failing), timeout=60,
+             what=f"the {len(failing)} tasks that failed for good to be parked")
+    log = processes.log(worker)
+    refused = log.count("store write failed"), log.count("dead-letter queue cannot be written")
+    print(f"\n{len(ids)} broker-delivered tasks retried through the store, {len(failing)} parked, across "
+          f"the failover; refused and tried again: {refused[0]} retry writes, {refused[1]} dead letters")
+    assert all(refused), "nothing was written while the primary was down: the test did not test the window"
     assert {app.AsyncResult(t).get(timeout=30, propagate=False) for t in ids} == {"retry"}
-    assert DeadLetters(store_of(app)).count() == 0
+    assert dead_letters.count() == len(failing)

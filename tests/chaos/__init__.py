@@ -6,7 +6,8 @@
 scripts/services run a load of ``tasks.chaos.step`` tasks due over a few
 minutes (some retry once through the store, write a side effect through the
 task id as idempotency key, are revoked or rescheduled while scheduled, or
-fail for good), while a seeded schedule of faults kills, pauses and starves
+fail for good; more are sent one by one by ``apply_async`` while the faults
+run, as a client would), while a seeded schedule of faults kills, pauses and starves
 pollers and workers, restarts Redis, Kafka and etcd (the pollers lead through
 the 3-member etcd cluster ``etcd3`` of scripts/services; one fault kills its
 raft leader) and (``--store cluster``) fails a Redis Cluster primary over to

@@ -92,7 +92,7 @@ def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected], pendi
         attempts[task_id].setdefault(attempt, start_ms)
     lost, blame = [], {}
     for task in tasks:
-        if task.role == "revoke" or task.final_attempt in attempts[task.task_id] or task.task_id in pending:
+        if not task.expected or task.final_attempt in attempts[task.task_id] or task.task_id in pending:
             continue
         lost.append(task)
         first = attempts[task.task_id].get(0)
@@ -127,7 +127,7 @@ def analyse(tasks: list[Planned], runs: list[tuple], effect_rows: dict[str, int]
     by_id = {t.task_id: t for t in tasks}
     _count_duplicates(rows, faults, runs, deliveries, effect_rows)
     done = {(r[0], r[1]) for r in runs}
-    unfinished = {t.task_id for t in tasks if t.role != "revoke" and (t.task_id, t.final_attempt) not in done}
+    unfinished = {t.task_id for t in tasks if t.expected and (t.task_id, t.final_attempt) not in done}
     pending = unfinished & (in_store | on_kafka)
     lost, why = _lost(tasks, runs, faults, pending)
     for task_id, (fault, reason) in why.items():

@@ -20,16 +20,21 @@ def create(path: Path, tasks: list[Planned]) -> sqlite3.Connection:
     """A new ledger at ``path`` holding the plan (the tasks' tables are made by :func:`tasks.chaos.ledger`)."""
     db = ledger(str(path))
     db.executescript(PLAN_SCHEMA)
+    add(db, tasks)
+    return db
+
+
+def add(db: sqlite3.Connection, tasks: list[Planned]) -> None:
+    """Add ``tasks`` to the plan."""
     db.execute("BEGIN")
     db.executemany("INSERT INTO plan VALUES (?, ?, ?, ?, ?, ?)",
                    [(t.task_id, t.kind, t.role, t.due_ms, t.new_due_ms, t.final_attempt) for t in tasks])
     db.execute("COMMIT")
-    return db
 
 
 def done(db: sqlite3.Connection) -> int:
-    """Tasks whose final attempt has run (revoked ones never count)."""
-    return db.execute("SELECT COUNT(*) FROM plan p WHERE p.role != 'revoke' AND EXISTS "
+    """Tasks whose final attempt has run (revoked and unacknowledged ones never count)."""
+    return db.execute("SELECT COUNT(*) FROM plan p WHERE p.role NOT IN ('revoke', 'unacked') AND EXISTS "
                       "(SELECT 1 FROM runs r WHERE r.task_id = p.task_id AND r.attempt = p.final)").fetchone()[0]
 
 

@@ -3,6 +3,8 @@ then some of them revoked or rescheduled while still scheduled."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,6 +22,13 @@ SHARES = {"retry": 0.10, "effect": 0.30, "fail": 0.01, "revoke": 0.05, "reschedu
 #: so they are surely still scheduled when the preparation ends.
 SPARE_S = 10.0
 REVOKE_CHUNK = 500
+#: Tasks a second sent one by one with ``apply_async`` while the faults run, beside the bulk load.
+LIVE_RATE = 5
+#: Shares of the live tasks by kind (the rest are plain), and their countdowns (s).
+LIVE_SHARES = {"retry": 0.3, "effect": 0.3}
+LIVE_COUNTDOWN_S = (2.0, 6.0)
+#: A live task the store refuses this long (s) is given up: it may or may not run (role ``unacked``).
+LIVE_GIVE_UP_S = 120.0
 
 
 @dataclass
@@ -28,9 +37,14 @@ class Planned:
 
     task_id: str
     kind: str        # argument of the task: plain, effect, retry, fail
-    role: str        # "", revoke or reschedule
+    role: str        # "", revoke, reschedule; live (sent by apply_async), unacked (a live one never acknowledged)
     due_ms: int
     new_due_ms: int | None = None
+
+    @property
+    def expected(self) -> bool:
+        """Whether its final attempt must run: not revoked, and acknowledged to its sender."""
+        return self.role not in ("revoke", "unacked")
 
     @property
     def final_attempt(self) -> int:
@@ -95,3 +109,50 @@ def revoke_and_reschedule(app: Celery, tasks: list[Planned]) -> dict[str, int]:
     store = store_of(app)
     moved = [store.reschedule(t.task_id, t.new_due_ms) for t in tasks if t.role == "reschedule"]
     return {"revoked": len(revoked), "rescheduled": len(moved)}
+
+
+class LiveSender:
+    """Sends tasks one by one, as a user's client does, while the faults run: ``apply_async`` with an
+    ETA, tried again while it raises (the store down or failing over, the broker down); one whose due
+    time passed meanwhile goes through Celery's broker, and its retry through the store."""
+
+    def __init__(self, app: Celery, ledger_path: str, rng: random.Random) -> None:
+        self.app, self.path, self.rng = app, ledger_path, rng
+        self.sent: list[Planned] = []
+        self.refused = 0      # apply_async calls that raised
+        self.by_broker = 0    # acknowledged too late for the store: Celery's broker took them
+
+    def run(self, until: float, stop: threading.Event, record: Callable[[Planned], None]) -> None:
+        """Send :data:`LIVE_RATE` tasks a second until ``until`` (epoch s) or ``stop``; ``record`` each
+        once its sender knows whether it was acknowledged."""
+        while time.time() < until and not stop.is_set():
+            task = self._send(stop)
+            self.sent.append(task)
+            record(task)
+            stop.wait(1 / LIVE_RATE)
+
+    def _send(self, stop: threading.Event) -> Planned:
+        u, kind = self.rng.random(), "plain"
+        for name, share in LIVE_SHARES.items():
+            if u < share:
+                kind = name
+                break
+            u -= share
+        due_ms = int((time.time() + self.rng.uniform(*LIVE_COUNTDOWN_S)) * 1000)
+        task = Planned(str(uuid.uuid4()), kind, "live", due_ms)
+        eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc)
+        give_up = time.monotonic() + LIVE_GIVE_UP_S
+        min_delay_ms = self.app.amqp.delayed_settings.min_delay * 1000
+        while True:
+            late = time.time() * 1000 > due_ms - min_delay_ms
+            try:  # sending again is safe: the store keeps one copy of a task id
+                self.app.tasks[TASK].apply_async((self.path, kind, due_ms), task_id=task.task_id, eta=eta)
+                self.by_broker += late
+                return task
+            except Exception:  # whatever a client sees while a server is down
+                self.refused += 1
+                if time.monotonic() > give_up or stop.is_set():
+                    task.role = "unacked"
+                    return task
+                stop.wait(0.2)
+

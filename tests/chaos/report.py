@@ -22,6 +22,15 @@ def _lost(row: dict[str, Any]) -> str:
     return f"**{row['lost']}** ({reasons})"
 
 
+def _live(run: dict[str, Any]) -> str:
+    live = run.get("live")
+    if not live:
+        return ""
+    return (f"Of the tasks, {live['sent']} were sent one by one by `apply_async` while the faults ran: "
+            f"{live['by_broker']} of them through Celery's broker (acknowledged too late for the store), "
+            f"{live['unacked']} never acknowledged; {live['refused']} calls raised and were tried again.")
+
+
 def table(result: dict[str, Any]) -> str:
     """The per-fault Markdown table."""
     lines = [HEADER]
@@ -44,7 +53,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 `{run['command']}` — seed {run['seed']}, {result['tasks']} tasks due over {run['window_s']:.0f} s,
 2 pollers, 2 workers (prefork, -c 2); wall time {run['wall_s']:.0f} s. {versions}.
-Delayed store on {_store(run)}.
+Delayed store on {_store(run)}. {_live(run)}
 
 {table(result)}
 

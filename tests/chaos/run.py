@@ -24,6 +24,7 @@ from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.kafka import consumer_lag, ensure_topics
 from celery_delayed.store import STORE_ERRORS
 from tasks import create_app
+from tasks.chaos import ledger as ledger_of
 from tests.integration.support import ETCD3_ENDPOINTS, ROOT, Processes
 
 from . import check, faults, ledger, load, report
@@ -118,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(names) or 'none'}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in run_info["versions"].items()))
     started = time.monotonic()
-    result = Run(app, overrides, profile, args.tasks or profile.tasks, names, seed, folder, console).execute()
+    chaos = Run(app, overrides, profile, args.tasks or profile.tasks, names, seed, folder, console)
+    result = chaos.execute()
     run_info["wall_s"] = round(time.monotonic() - started, 1)
+    run_info["live"] = {"sent": len(chaos.live.sent), "by_broker": chaos.live.by_broker,
+                        "unacked": sum(not t.expected for t in chaos.live.sent), "refused": chaos.live.refused}
     result["run"] = run_info
     paths = report.write(result["verdict"] | {"run": run_info, "injected": result["injected"]}, folder,
                          result["timeline"])
@@ -162,6 +166,7 @@ class Run:
                                       rng=random.Random(seed + 1))
         self.plan = faults.schedule(self.rng, names, profile.times, profile.faults_from_s, profile.faults_until_s)
         self.injected: list[faults.Injected] = []
+        self.live = load.LiveSender(app, str(folder / "ledger.db"), random.Random(seed + 2))
         self.phase = "starting"
 
     def execute(self) -> dict[str, Any]:
@@ -179,6 +184,7 @@ class Run:
         finally:
             self.cluster.procs.stop_all()
         deliveries, state["on_kafka"] = self._deliveries()
+        tasks = tasks + self.live.sent
         verdict = check.analyse(tasks, ledger.runs(db), *ledger.effects(db), deliveries, self.injected, **state)
         cleanup(self.settings, [self.topic])
         t0_ms = min(t.due_ms for t in tasks)
@@ -214,25 +220,35 @@ class Run:
     def _load(self, progress: Progress, db: Any, tasks: list[load.Planned]) -> None:
         """Inject the faults (a thread) while the load runs; wait for every task, a stall or the deadline."""
         t0 = min(t.due_ms for t in tasks) / 1000
-        expected = sum(1 for t in tasks if t.role != "revoke")
+        planned = sum(t.expected for t in tasks)
         thread = threading.Thread(target=self._inject_all, args=(t0,), name="faults", daemon=True)
         thread.start()
-        job = progress.add_task("", total=expected)
+        stop_sending = threading.Event()
+        path = str(self.folder / "ledger.db")
+        sender = threading.Thread(target=self.live.run, name="live", daemon=True, args=(
+            t0 + self.profile.faults_until_s, stop_sending, lambda task: ledger.add(ledger_of(path), [task])))
+        sender.start()
+        job = progress.add_task("", total=planned)
         last_done, last_change = -1, time.monotonic()
         last_due = max(t.new_due_ms or t.due_ms for t in tasks) / 1000
         while time.monotonic() < self.deadline:
             count = ledger.done(db)
+            expected = planned + sum(t.expected for t in self.live.sent)
             if count != last_done:
                 last_done, last_change = count, time.monotonic()
-            progress.update(job, completed=count, description=self._status(t0))
-            if count >= expected:
+            progress.update(job, completed=count, total=expected, description=self._status(t0))
+            if count >= expected and not sender.is_alive():
                 break
-            quiet = not thread.is_alive() and time.time() > last_due
+            if time.monotonic() > self.deadline - 60:
+                stop_sending.set()
+            quiet = not thread.is_alive() and not sender.is_alive() and time.time() > last_due
             if quiet and time.monotonic() - last_change > STALL_S:
                 self.console.print(f"[red]no task finished for {STALL_S:.0f} s: dispatch stalled[/]")
                 break
             time.sleep(1)
         self.phase = "done"
+        stop_sending.set()
+        sender.join(timeout=10)
         thread.join(timeout=max(1.0, self.deadline - time.monotonic()))
 
     def _status(self, t0: float) -> str:

@@ -27,7 +27,7 @@ from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
-from .once import attempt_of
+from .once import attempt_of, executing
 from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
 from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS, DelayedStore, Stored
@@ -204,6 +204,5 @@ class _StoreProducer:
 
 
 def _is_own_retry(envelope: Envelope) -> bool:
-    """Whether this message is the retry of the task a worker runs here (not a direct call)."""
-    request = current_task.request if current_task else None
-    return bool(request is not None and not request.called_directly and request.id == envelope.task_id)
+    """Whether this message is the retry of the task a worker runs here (:func:`.once.executing`)."""
+    return bool(current_task) and executing(current_task.request, envelope.task_id)

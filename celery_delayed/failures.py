@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -23,6 +24,7 @@ from kombu.utils.functional import retry_over_time
 
 from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, serialize
+from .once import executing
 from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -48,18 +50,23 @@ def park_failures(app: Celery) -> None:
                                 source="worker", traceback=str(einfo or ""),
                                 attempts=(sender.request.retries or 0) + 1,
                                 message=_envelope(sender, task_id, args or (), kwargs or {}))
-            _park(DeadLetters(app.amqp.delayed_store), letter, until_parked=sender.request.id == task_id)
         except Exception:  # the failure itself is already recorded by Celery; never mask it
-            logger.exception("could not park failed task %s in the dead-letter queue", task_id)
+            logger.exception("could not build the dead letter of failed task %s", task_id)
+            return
+        _park(DeadLetters(app.amqp.delayed_store), letter, in_pool=executing(sender.request, task_id))
 
     signals.task_failure.connect(on_failure, weak=False)
 
 
-def _park(dead_letters: DeadLetters, letter: DeadLetter, until_parked: bool) -> None:
-    """Add ``letter``; in the pool child that ran the task (``until_parked``), retry while the
-    store is down, as the retry of a running task is: its message is acknowledged once this
-    returns, and nothing else would park it.  The worker's main process (a failure Celery records
-    there, its request not running) must not stall its event loop: it tries once."""
+def _park(dead_letters: DeadLetters, letter: DeadLetter, in_pool: bool) -> None:
+    """Add ``letter``, retrying while the store is down (every 2 s at most, logged), as the retry
+    of a running task is: given up, nothing else would park it.  In the pool child that ran the
+    task (``in_pool``) it is done before its message is acknowledged; anywhere else (the worker's
+    main process, whose event loop must not stall, for a hard time limit or a lost pool child; an
+    eager call) in a daemon thread."""
+    if not in_pool:
+        threading.Thread(target=_park, args=(dead_letters, letter, True), name="delayed-park", daemon=True).start()
+        return
 
     def on_error(exc: Exception, intervals: Any, retries: int) -> float:
         wait = next(intervals)
@@ -67,8 +74,11 @@ def _park(dead_letters: DeadLetters, letter: DeadLetter, until_parked: bool) -> 
                        "retry %d in %.1f s", letter.task_id, exc, retries + 1, wait)
         return wait
 
-    retry_over_time(dead_letters.add, STORE_ERRORS if until_parked else (), args=(letter,), errback=on_error,
-                    interval_start=0, interval_step=0.2, interval_max=PERSIST_MAX_INTERVAL)
+    try:
+        retry_over_time(dead_letters.add, STORE_ERRORS, args=(letter,), errback=on_error,
+                        interval_start=0, interval_step=0.2, interval_max=PERSIST_MAX_INTERVAL)
+    except Exception:  # not a store outage: the failure itself is already recorded by Celery
+        logger.exception("could not park failed task %s in the dead-letter queue", letter.task_id)
 
 
 def after_body(traceback: str | None) -> bool:

@@ -164,6 +164,14 @@ def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
     store.execute(pipe)
 
 
+def executing(request: Any, task_id: str) -> bool:
+    """Whether ``request`` (a task's ``self.request``) is ``task_id`` running in a worker's pool:
+    not a direct call or an eager one (``apply``), nor the worker's main process recording the
+    failure of a task it lost or timed out (Celery pushes that request as a direct call's)."""
+    return bool(request is not None and request.id == task_id and not request.called_directly
+                and not request.is_eager)
+
+
 def attempt_of(headers: dict) -> int:
     """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
     retries = headers.get("retries") if isinstance(headers, dict) else None

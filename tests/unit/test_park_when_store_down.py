@@ -1,0 +1,71 @@
+"""A task that fails for good while the store is down: its dead letter is retried until the store
+is back, but never by blocking the worker's main process or an eager caller.
+
+Each case runs Celery's own code (``Request.on_failure``, ``Task.apply``) in a subprocess whose
+store points at a port nothing listens on, so every store call is refused at once; the
+subprocess's daemon threads, still retrying, end with it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.integration.support import ROOT
+
+#: Set up in the subprocess: an app whose store is unreachable, results kept in memory.
+PRELUDE = """
+import json, sys, threading, time, uuid
+from tasks import create_app
+app = create_app(delayed_redis_url="redis://127.0.0.1:9/0", result_backend="cache+memory://")
+"""
+
+#: Celery's main-process failure path (a hard time limit, or a pool child lost without requeue):
+#: it pushes the task's request (``called_directly`` True) and sends ``task_failure`` from the loop.
+MAIN_PROCESS = PRELUDE + """
+from billiard.einfo import ExceptionInfo
+from celery.exceptions import TimeLimitExceeded
+from celery.worker.request import Request
+from kombu.message import Message
+from kombu.utils.json import dumps
+task = app.tasks["tasks.demo.add"]
+headers, properties, body, _ = app.amqp.create_task_message(str(uuid.uuid4()), task.name, [1, 2], {})
+message = Message(body=dumps(body).encode(), content_type="application/json", content_encoding="utf-8",
+                  headers=headers, properties=properties, delivery_info={"routing_key": "celery"}, channel=None)
+request = Request(message, app=app, task=task)
+try:
+    raise TimeLimitExceeded(3)
+except TimeLimitExceeded:
+    einfo = ExceptionInfo()
+started = time.monotonic()
+request.on_failure(einfo)
+print(json.dumps({"seconds": time.monotonic() - started,
+                  "parking": [t.name for t in threading.enumerate() if t.name == "delayed-park"]}))
+"""
+
+#: ``Task.apply`` of a task that fails for good (an eager call in a web process or a test suite).
+EAGER = PRELUDE + """
+started = time.monotonic()
+result = app.tasks["tasks.chaos.step"].apply((sys.argv[1], "fail", 0))
+print(json.dumps({"seconds": time.monotonic() - started, "state": result.state,
+                  "parking": [t.name for t in threading.enumerate() if t.name == "delayed-park"]}))
+"""
+
+
+def run(script: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_main_process_failure_path_hands_the_dead_letter_to_a_thread():
+    result = run(MAIN_PROCESS)
+    assert result["seconds"] < 5, result  # the loop goes on; blocked, it would wait for the store
+    assert result["parking"] == ["delayed-park"], result  # and the letter is still being retried
+
+
+def test_an_eager_failure_returns_while_its_dead_letter_is_retried_in_a_thread(tmp_path):
+    result = run(EAGER, str(tmp_path / "ledger.db"))
+    assert result["state"] == "FAILURE" and result["seconds"] < 5, result
+    assert result["parking"] == ["delayed-park"], result

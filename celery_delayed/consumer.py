@@ -401,10 +401,13 @@ class KafkaFeed:
             return
         # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
         # where the process running it finds it for request.eta, remembers when it finished,
-        # and task code (benchmarks) can read when each hop happened.
+        # and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
+        # due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
         marks = _record_headers(record)
         due_ms = marks.get(DUE_HEADER)
         headers.pop("eta", None)
+        if due_ms is not None and due_ms > time.time() * 1000 + 1:
+            headers["eta"] = iso_of(due_ms)
         headers[FROM_KAFKA] = {"eta": iso_of(due_ms), "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
                                "produced": record.timestamp()[1], "read": read_ms, "handed": int(time.time() * 1000)}
         message = Message(body=envelope.body, content_type=envelope.content_type,

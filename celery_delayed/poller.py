@@ -156,11 +156,11 @@ class Poller:
         sweep = time.monotonic() - self._last_sweep >= self.settings.max_sleep
         if sweep:
             self._last_sweep = time.monotonic()
-        now_ms = time.time() * 1000 + self._clock_offset_ms
+        horizon_ms = time.time() * 1000 + self._clock_offset_ms + self.settings.dispatch_lead * 1000
         owned = list(self.leadership.owned().items())
         self._rotation = (self._rotation + 1) % max(len(owned), 1)  # a rate limit must not starve the last ones
         for partition, token in owned[self._rotation:] + owned[:self._rotation]:
-            if not sweep and self._next_due.get(partition, 0) > now_ms:
+            if not sweep and self._next_due.get(partition, 0) > horizon_ms:
                 continue
             budget = min(self.settings.claim_batch, self._limit.available())
             if budget < 1:
@@ -377,7 +377,8 @@ class Poller:
         """Sleep until the next due task, a wake-up, or the next sweep; serve reports meanwhile."""
         owned = self.leadership.owned()
         next_due = min((self._next_due.get(p, 0) for p in owned), default=NEVER)
-        local_due = time.monotonic() + (next_due - self._clock_offset_ms) / 1000 - time.time()
+        local_due = time.monotonic() + (next_due - self._clock_offset_ms) / 1000 - time.time() \
+            - self.settings.dispatch_lead
         deadline = max(min(self._last_sweep + self.settings.max_sleep, local_due),
                        time.monotonic() + self._limit.wait_time())
         while not self._wake.is_set():

@@ -78,6 +78,10 @@ class Settings:
     claim_batch: int = 500
     #: Longest the poller sleeps without looking at the store, in seconds.
     max_sleep: float = 1.0
+    #: Seconds ahead of its due time a task is dispatched to Kafka; the worker holds
+    #: it until due with Celery's own ETA timer, so the hops store -> Kafka -> worker
+    #: (tens of ms on a busy host) do not make it late.  0 = dispatch when due.
+    dispatch_lead: float = 0.1
     #: Most tasks one poller dispatches per second (0 = no limit); bounds how fast
     #: an overdue backlog drains after an outage, so workers are not stampeded.
     max_dispatch_rate: float = 0.0
@@ -152,6 +156,7 @@ class Settings:
         _require(self.visibility_timeout >= 1, "visibility_timeout", "must be >= 1 second")
         _require(1 <= self.claim_batch <= 5000, "claim_batch", "must be between 1 and 5000")
         _require(self.max_sleep > 0, "max_sleep", "must be > 0")
+        _require(0 <= self.dispatch_lead <= 5, "dispatch_lead", "must be between 0 and 5 seconds")
         _require(self.max_dispatch_rate >= 0, "max_dispatch_rate", "must be >= 0 (0 = no limit)")
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a port number (0 = none)")
         _require(bool(self.key_prefix) and ":" not in self.key_prefix and "{" not in self.key_prefix,

@@ -496,11 +496,13 @@ class DelayedStore:
 
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
-        """Move up to ``limit`` due tasks of ``partition`` to inflight and return them."""
+        """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
+        and return them."""
         keys = [*self._keys(partition), self.key(partition, "fence"), self.key(partition, "stamp")]
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
-                                               self.key(partition, "t:"), BUCKET_SECONDS])
+                                               self.key(partition, "t:"), BUCKET_SECONDS,
+                                               int(self.settings.dispatch_lead * 1000)])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None

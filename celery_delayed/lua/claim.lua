@@ -1,6 +1,7 @@
 -- Claim the due tasks of one partition for the partition's current leader.
 -- Redis' own clock (TIME) decides what is due, so poller clock skew cannot fire
--- tasks early or late. Claimed tasks move to the inflight set with a visibility
+-- tasks early or late; "due" is "due within the dispatch lead" (the worker holds
+-- a task that arrives early until its due time). Claimed tasks move to the inflight set with a visibility
 -- deadline; the poller removes them (ack.lua) once Kafka confirmed delivery.
 -- Inflight tasks past their deadline (their claimer died) become due again.
 -- Due tasks are taken bucket by bucket in the index's order; a bucket left with
@@ -10,7 +11,7 @@
 -- KEYS[5] last claim stamp STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
--- ARGV[4] bucket key prefix   ARGV[5] bucket width s
+-- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
 -- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 local token = tonumber(ARGV[1])
@@ -24,6 +25,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
+local horizon = now + tonumber(ARGV[6])
 
 -- expired claims go back to the bucket of "now", message and all (bucket first, as
 -- in nack.lua, so a failure on an undeclared key leaves the task in flight)
@@ -46,11 +48,11 @@ if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', KEYS[5], deadline)
 local out = {now, -1, deadline}
 local left = limit
-local buckets = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
+local buckets = redis.call('ZRANGE', KEYS[1], '-inf', horizon, 'BYSCORE', 'LIMIT', 0, limit)
 for _, b in ipairs(buckets) do
   if left <= 0 then break end
   local key = ARGV[4] .. b
-  local due = redis.call('ZRANGE', key, '-inf', now, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
+  local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
   for i = 1, #due, 2 do
     local id = due[i]
     redis.call('ZREM', key, id)

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import redis
@@ -102,6 +103,33 @@ def test_killed_pool_child_task_runs_again(overrides, processes):
     assert result.get(timeout=90) == "survived"
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     assert int(r.hget(f"demo:{run}:runs", result.id)) == 2
+
+
+def test_a_task_dispatched_ahead_of_its_due_time_starts_at_it_not_before(overrides, processes):
+    """``delayed_dispatch_lead`` 0.8 s: the poller puts each task on Kafka up to 0.8 s early and
+    the worker holds it with Celery's ETA timer.  None starts before its due time; the task sees
+    that time as ``request.eta``."""
+    overrides.update(delayed_dispatch_lead=0.8)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    processes.poller()
+    processes.worker("w1", "-c", "2")
+    due: dict[str, int] = {}
+    for i in range(30):
+        due_ms = int((time.time() + 4 + i * 0.05) * 1000)
+        eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc)
+        due[app.tasks["tasks.demo.fire"].apply_async((run, due_ms), eta=eta).id] = due_ms
+    eta = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(seconds=4)
+    seen = app.tasks["tasks.demo.eta_seen"].apply_async(eta=eta)
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    wait_for(lambda: r.llen(f"demo:{run}:hops") == len(due), 60, "every task to run")
+    hops = [json.loads(x) for x in r.lrange(f"demo:{run}:hops", 0, -1)]
+    early = sorted(h["due"] - h["produced"] for h in hops)
+    print(f"\nput on Kafka ahead of due by {early[0]}..{early[-1]} ms; started after due by "
+          f"{min(h['started'] - h['due'] for h in hops)}..{max(h['started'] - h['due'] for h in hops)} ms")
+    assert [h for h in hops if h["started"] < h["due"]] == []
+    assert sum(e > 300 for e in early) >= len(hops) // 2, early  # the lead was used: the test tests it
+    assert datetime.fromisoformat(seen.get(timeout=30)) == eta
 
 
 def test_duplicate_deliveries_run_once(overrides, processes):

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pyetcd
@@ -60,7 +61,7 @@ def describe_token(token: int) -> str:
 
 def make_etcd(settings: Settings, timeout: float = 2.0) -> MultiEndpointEtcd3Client:
     """An etcd client over all configured endpoints, with TLS and auth when set."""
-    creds = (MultiEndpointEtcd3Client.get_secure_creds(open(settings.etcd_ca_cert, "rb").read())
+    creds = (MultiEndpointEtcd3Client.get_secure_creds(Path(settings.etcd_ca_cert).read_bytes())
              if settings.etcd_ca_cert else None)
     endpoints = []
     for url in settings.etcd_urls:

@@ -4,7 +4,7 @@ copies of one task_id never run at the same time.
 Kafka and the poller deliver at least once, so a task can arrive twice.  Before
 a worker hands a task to Celery it checks the result backend for a terminal
 state, then takes a *run claim* (``<prefix>:run:{<task_id>}``, SET NX with a
-lease), unless the id was revoked (:func:`.revoke.remember_revoked`) or its run
+lease), unless the id was revoked (:func:`remember_revoked`) or its run
 from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`: this
 covers tasks whose result is ignored, or not stored, and attempts that ended in
 a retry, whose late copies must not run again).  The worker extends the

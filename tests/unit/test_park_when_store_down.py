@@ -1,5 +1,6 @@
 """A task that fails for good while the store is down: its dead letter is retried until the store
-is back, but never by blocking the worker's main process or an eager caller.
+is back, but never by blocking the worker's main process or an eager caller; an eager task's own
+store writes are not retried for ever either.
 
 Each case runs Celery's own code (``Request.on_failure``, ``Task.apply``) in a subprocess whose
 store points at a port nothing listens on, so every store call is refused at once; the
@@ -52,6 +53,22 @@ print(json.dumps({"seconds": time.monotonic() - started, "state": result.state,
 """
 
 
+#: An eager task that schedules itself again under its own id: not a retry a worker must not give
+#: up, so the store's refusal reaches the caller after Celery's publish retry policy.
+EAGER_SELF_SCHEDULE = PRELUDE + """
+from celery_delayed import StoreUnavailable
+
+@app.task(bind=True, name="again")
+def again(self):
+    self.apply_async(countdown=120, task_id=self.request.id)
+
+started = time.monotonic()
+result = again.apply()
+print(json.dumps({"seconds": time.monotonic() - started, "state": result.state,
+                  "error": type(result.result).__name__}))
+"""
+
+
 def run(script: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=30)
@@ -69,3 +86,8 @@ def test_an_eager_failure_returns_while_its_dead_letter_is_retried_in_a_thread(t
     result = run(EAGER, str(tmp_path / "ledger.db"))
     assert result["state"] == "FAILURE" and result["seconds"] < 5, result
     assert result["parking"] == ["delayed-park"], result
+
+
+def test_an_eager_task_scheduling_its_own_id_gets_the_stores_error():
+    result = run(EAGER_SELF_SCHEDULE)
+    assert result == {**result, "state": "FAILURE", "error": "StoreUnavailable"} and result["seconds"] < 10, result

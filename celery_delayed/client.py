@@ -23,14 +23,13 @@ from celery import current_task
 from celery.app.amqp import AMQP
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
-from kombu.utils.functional import retry_over_time
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
 from .once import attempt_of, executing
 from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
-from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS, DelayedStore, Stored
+from .store import DelayedStore, Stored, write_retrying
 
 logger = logging.getLogger(__name__)
 
@@ -184,20 +183,11 @@ class _StoreProducer:
         A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
         """
         own_retry = _is_own_retry(envelope)
-        store = self._amqp.delayed_store
-
-        def on_error(exc: Exception, intervals: Any, retries: int) -> float:
-            wait = next(intervals)
-            logger.warning("task %s [%s]: store write failed (%s); retry %d in %.1f s", envelope.task_name,
-                           envelope.task_id, exc, retries + 1, wait)
-            return wait
-
-        outcome = retry_over_time(
-            store.schedule, STORE_ERRORS if retry or own_retry else (), args=(envelope.task_id, self._due_ms, stored),
-            kwargs={"attempt": attempt_of(envelope.headers)}, errback=on_error,
-            max_retries=None if own_retry else policy.get("max_retries", 3),
-            interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
-            interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if own_retry else 0))
+        outcome = write_retrying(
+            self._amqp.delayed_store.schedule, (envelope.task_id, self._due_ms, stored),
+            {"attempt": attempt_of(envelope.headers)},
+            failed=f"task {envelope.task_name} [{envelope.task_id}]: store write failed",
+            policy=policy if retry or own_retry else {"max_retries": 0}, forever=own_retry)
         if outcome is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, envelope.task_id)

@@ -20,12 +20,11 @@ import threading
 from typing import Any
 
 from celery import Celery, Task, signals
-from kombu.utils.functional import retry_over_time
 
-from .dlq import DeadLetter, DeadLetters
+from .dlq import DeadLetter, DeadLetters, reason_of
 from .envelope import Envelope, serialize
 from .once import executing
-from .store import PERSIST_MAX_INTERVAL, STORE_ERRORS
+from .store import write_retrying
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def park_failures(app: Celery) -> None:
                            "where a requeue would run it again", task_id, type(exception).__name__, exception)
             return
         try:
-            letter = DeadLetter(task_id=task_id, reason=f"{type(exception).__name__}: {exception}",
+            letter = DeadLetter(task_id=task_id, reason=reason_of(exception),
                                 source="worker", traceback=str(einfo or ""),
                                 attempts=(sender.request.retries or 0) + 1,
                                 message=_envelope(sender, task_id, args or (), kwargs or {}))
@@ -67,16 +66,9 @@ def _park(dead_letters: DeadLetters, letter: DeadLetter, in_pool: bool) -> None:
     if not in_pool:
         threading.Thread(target=_park, args=(dead_letters, letter, True), name="delayed-park", daemon=True).start()
         return
-
-    def on_error(exc: Exception, intervals: Any, retries: int) -> float:
-        wait = next(intervals)
-        logger.warning("task %s failed for good, but the dead-letter queue cannot be written (%s); "
-                       "retry %d in %.1f s", letter.task_id, exc, retries + 1, wait)
-        return wait
-
     try:
-        retry_over_time(dead_letters.add, STORE_ERRORS, args=(letter,), errback=on_error,
-                        interval_start=0, interval_step=0.2, interval_max=PERSIST_MAX_INTERVAL)
+        write_retrying(dead_letters.add, (letter,), forever=True,
+                       failed=f"task {letter.task_id} failed for good, but the dead-letter queue cannot be written")
     except Exception:  # not a store outage: the failure itself is already recorded by Celery
         logger.exception("could not park failed task %s in the dead-letter queue", letter.task_id)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import struct
 import zlib
@@ -37,9 +38,10 @@ from dataclasses import dataclass
 from enum import Enum
 from datetime import datetime, timezone
 from importlib import resources
-from typing import Any, Callable, Iterable, Iterator, Sized
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sized
 
 import redis
+from kombu.utils.functional import retry_over_time
 
 from .envelope import Envelope
 from .redis_client import UNREACHABLE, Script, connect, execute
@@ -88,6 +90,27 @@ STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, Sto
 #: Longest wait (s) between tries of a store write that is never given up while the store is
 #: down: a running task's retry, or its dead letter (given up, the task would be lost).
 PERSIST_MAX_INTERVAL = 2.0
+
+logger = logging.getLogger(__name__)
+
+
+def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None = None, *,
+                   failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False) -> Any:
+    """``write(*args, **kwargs)``, tried again while the store refuses it, each refusal logged as
+    ``failed`` with the error and the wait.  ``policy`` has the fields of Celery's publish retry
+    policy; ``forever`` ignores its ``max_retries`` and waits up to :data:`PERSIST_MAX_INTERVAL`."""
+    policy = policy or {}
+
+    def on_error(exc: Exception, intervals: Any, retries: int) -> float:
+        wait = next(intervals)
+        logger.warning("%s (%s); retry %d in %.1f s", failed, exc, retries + 1, wait)
+        return wait
+
+    return retry_over_time(
+        write, STORE_ERRORS, args=args, kwargs=dict(kwargs or {}), errback=on_error,
+        max_retries=None if forever else policy.get("max_retries", 3),
+        interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
+        interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
 
 
 class LayoutMismatch(ConfigurationError):

@@ -29,7 +29,7 @@ from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
 from . import metrics
-from .dlq import DeadLetter, DeadLetters
+from .dlq import DeadLetter, DeadLetters, reason_of
 from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
@@ -405,10 +405,11 @@ class KafkaFeed:
         # due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
         marks = _record_headers(record)
         due_ms = marks.get(DUE_HEADER)
+        eta = iso_of(due_ms)
         headers.pop("eta", None)
         if due_ms is not None and due_ms > time.time() * 1000 + 1:
-            headers["eta"] = iso_of(due_ms)
-        headers[FROM_KAFKA] = {"eta": iso_of(due_ms), "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
+            headers["eta"] = eta
+        headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
                                "produced": record.timestamp()[1], "read": read_ms, "handed": int(time.time() * 1000)}
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
@@ -472,10 +473,8 @@ class KafkaFeed:
                 and not self.dead_letters.holds(task_id)):
             logger.warning("task %s failed for good but was never parked (its worker died first): parked now",
                            task_id)
-            error = meta.get("result")
             self.dead_letters.add(DeadLetter(
-                task_id=task_id, source="worker",
-                reason=f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else repr(error),
+                task_id=task_id, source="worker", reason=reason_of(meta.get("result")),
                 traceback=meta.get("traceback") or "", attempts=(meta.get("retries") or 0) + 1,
                 message=record.value()))
             metrics.DEAD_LETTERED.labels("worker").inc()

@@ -50,6 +50,11 @@ class ResultBackend(Protocol):
     def mark_as_failure(self, task_id: str, exc: BaseException, traceback: str | None = None) -> None: ...
 
 
+def reason_of(error: object) -> str:
+    """A dead letter's reason for what a task ended with: ``Type: message`` for an error, else its repr."""
+    return f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else repr(error)
+
+
 @dataclass
 class DeadLetter:
     """One parked message and why it was parked."""

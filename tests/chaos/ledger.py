@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tasks.chaos import ledger
 
-from .load import Planned
+from .load import NOT_EXPECTED, Planned
 
 PLAN_SCHEMA = """
 CREATE TABLE IF NOT EXISTS plan (task_id TEXT PRIMARY KEY, kind TEXT NOT NULL, role TEXT NOT NULL,
@@ -34,8 +34,9 @@ def add(db: sqlite3.Connection, tasks: list[Planned]) -> None:
 
 def done(db: sqlite3.Connection) -> int:
     """Tasks whose final attempt has run (revoked and unacknowledged ones never count)."""
-    return db.execute("SELECT COUNT(*) FROM plan p WHERE p.role NOT IN ('revoke', 'unacked') AND EXISTS "
-                      "(SELECT 1 FROM runs r WHERE r.task_id = p.task_id AND r.attempt = p.final)").fetchone()[0]
+    return db.execute(f"SELECT COUNT(*) FROM plan p WHERE p.role NOT IN ({', '.join('?' * len(NOT_EXPECTED))}) "
+                      "AND EXISTS (SELECT 1 FROM runs r WHERE r.task_id = p.task_id AND r.attempt = p.final)",
+                      NOT_EXPECTED).fetchone()[0]
 
 
 def runs(db: sqlite3.Connection) -> list[tuple[str, int, int, int, int]]:

@@ -29,6 +29,8 @@ LIVE_SHARES = {"retry": 0.3, "effect": 0.3}
 LIVE_COUNTDOWN_S = (2.0, 6.0)
 #: A live task the store refuses this long (s) is given up: it may or may not run (role ``unacked``).
 LIVE_GIVE_UP_S = 120.0
+#: Roles of tasks whose final attempt need not run.
+NOT_EXPECTED = ("revoke", "unacked")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Planned:
     @property
     def expected(self) -> bool:
         """Whether its final attempt must run: not revoked, and acknowledged to its sender."""
-        return self.role not in ("revoke", "unacked")
+        return self.role not in NOT_EXPECTED
 
     @property
     def final_attempt(self) -> int:
@@ -71,14 +73,20 @@ def plan(rng: random.Random, n: int, start_ms: int, window_s: float) -> list[Pla
 
 def _draw(rng: random.Random, late_enough: bool) -> tuple[str, str]:
     """A (kind, role) by :data:`SHARES`; revokes and reschedules only for tasks due late enough."""
+    name = _pick(rng, SHARES)
+    if name in ("revoke", "reschedule"):
+        return ("plain", name) if late_enough else ("plain", "")
+    return name, ""
+
+
+def _pick(rng: random.Random, shares: dict[str, float]) -> str:
+    """A name drawn by ``shares`` (fractions of 1); ``plain`` for the rest."""
     u = rng.random()
-    for name, share in SHARES.items():
+    for name, share in shares.items():
         if u < share:
-            if name in ("revoke", "reschedule"):
-                return ("plain", name) if late_enough else ("plain", "")
-            return name, ""
+            return name
         u -= share
-    return "plain", ""
+    return "plain"
 
 
 def stored_items(app: Celery, tasks: list[Planned], ledger_path: str) -> Iterator[tuple[str, int, bytes]]:
@@ -132,12 +140,7 @@ class LiveSender:
             stop.wait(1 / LIVE_RATE)
 
     def _send(self, stop: threading.Event) -> Planned:
-        u, kind = self.rng.random(), "plain"
-        for name, share in LIVE_SHARES.items():
-            if u < share:
-                kind = name
-                break
-            u -= share
+        kind = _pick(self.rng, LIVE_SHARES)
         due_ms = int((time.time() + self.rng.uniform(*LIVE_COUNTDOWN_S)) * 1000)
         task = Planned(str(uuid.uuid4()), kind, "live", due_ms)
         eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc)
@@ -155,4 +158,3 @@ class LiveSender:
                     task.role = "unacked"
                     return task
                 stop.wait(0.2)
-

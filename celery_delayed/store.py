@@ -55,6 +55,9 @@ SCHEDULE_CHUNK = 256
 SCHEDULE_BATCH = 4000
 #: Threads sending :meth:`DelayedStore.schedule_many` pipelines at once.
 SENDERS = 2
+#: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
+#: within Lua's ``unpack`` limit (~8000 values).
+SCRIPT_PAIRS = 1000
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
 #: Width of the time buckets (see the module docstring).  Part of the stored
@@ -540,14 +543,15 @@ class DelayedStore:
         Only a copy still in flight under that claim is forgotten; a newer copy
         scheduled meanwhile, or a later claim, stays.
         """
-        return self._call("ack", [self.key(partition, "inflight"), self.key(partition, "msg"),
-                                  self.key(partition, "attempt")], _pairs(claimed))
+        keys = [self.key(partition, "inflight"), self.key(partition, "msg"), self.key(partition, "attempt")]
+        return sum(self._call("ack", keys, _pairs(chunk)) for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
     def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000) -> int:
         """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, their delivery having
         failed, due again after ``delay_ms``; as for :meth:`ack`, only copies of that claim."""
-        return self._call("nack", self._keys(partition),
-                          [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(claimed)])
+        return sum(self._call("nack", self._keys(partition),
+                              [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(chunk)])
+                   for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
     # -- layout --------------------------------------------------------------
     def layout(self) -> dict[str, int]:

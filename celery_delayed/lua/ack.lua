@@ -8,14 +8,16 @@
 -- ARGV pairs: task id, claim stamp (the deadline claim.lua gave it)
 -- Returns the number of tasks forgotten.
 local inflight, msgs, attempts = KEYS[1], KEYS[2], KEYS[3]
-local n = 0
-for i = 1, #ARGV, 2 do
-  local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
-  if tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
-    redis.call('ZREM', inflight, id)
-    redis.call('HDEL', msgs, id)
-    redis.call('HDEL', attempts, id)
-    n = n + 1
-  end
+local ids = {}
+for i = 1, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+if #ids == 0 then return 0 end
+local stamps = redis.call('ZMSCORE', inflight, unpack(ids))
+local done = {}
+for j, id in ipairs(ids) do
+  if tonumber(stamps[j]) == tonumber(ARGV[2 * j]) then done[#done + 1] = id end
 end
-return n
+if #done == 0 then return 0 end
+redis.call('ZREM', inflight, unpack(done))
+redis.call('HDEL', msgs, unpack(done))
+redis.call('HDEL', attempts, unpack(done))
+return #done

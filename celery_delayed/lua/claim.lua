@@ -53,18 +53,28 @@ for _, b in ipairs(buckets) do
   if left <= 0 then break end
   local key = ARGV[4] .. b
   local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
-  for i = 1, #due, 2 do
-    local id = due[i]
-    redis.call('ZREM', key, id)
-    local message = redis.call('HGET', KEYS[2], id)
-    if message then
-      redis.call('ZADD', KEYS[3], deadline, id)
-      out[#out + 1] = id
-      out[#out + 1] = due[i + 1]
-      out[#out + 1] = string.sub(message, 5)
+  if #due > 0 then
+    -- one variadic call per step, not one per task (ARGV[2] <= 5000: within unpack's reach);
+    -- the due are the bucket's first by rank, so they leave by rank, without a lookup each
+    local ids = {}
+    for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
+    redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
+    local messages = redis.call('HMGET', KEYS[2], unpack(ids))
+    local claimed = {}
+    for j, id in ipairs(ids) do
+      if messages[j] then
+        claimed[#claimed + 1] = deadline
+        claimed[#claimed + 1] = id
+        out[#out + 1] = id
+        out[#out + 1] = due[2 * j]
+        out[#out + 1] = string.sub(messages[j], 5)
+      end
     end
+    for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
+      redis.call('ZADD', KEYS[3], unpack(claimed, i, math.min(i + 1999, #claimed)))
+    end
+    left = left - #ids
   end
-  left = left - #due / 2
   local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   if rest[2] then redis.call('ZADD', KEYS[1], rest[2], b) else redis.call('ZREM', KEYS[1], b) end
 end

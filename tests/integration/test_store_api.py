@@ -214,3 +214,20 @@ def test_a_real_celery_message_takes_little_redis_memory(overrides):
     info = store.get(result.id)
     assert info["stored_bytes"] < 150  # Celery's own message is over 1 KB; the original form stored 576 B
     assert store.redis.memory_usage(store.key(info["partition"], "msg")) < 400
+
+
+def test_the_largest_claims_and_acks_fit_the_scripts_variadic_calls(overrides):
+    """claim.lua and ack.lua move a batch per command: 5000 tasks claimed in one call and 15,000
+    acked (or nacked) in one are more values than Lua's ``unpack`` takes at once (~8000)."""
+    store = DelayedStore(settings_for(overrides, partitions=1))
+    store.schedule_many(envelopes(15_000, "q", now_ms() - 60_000))
+    claims = [store.claim(0, 1, 5000) for _ in range(3)]
+    assert [len(c.items) for c in claims] == [5000] * 3
+    assert len({task_id for c in claims for task_id, _, _ in c.items}) == 15_000
+    assert store.counts()[0]["inflight"] == 15_000
+    acked = [(task_id, c.stamp) for c in claims[:2] for task_id, _, _ in c.items]
+    assert store.ack(0, acked) == 10_000
+    assert store.nack(0, [(task_id, claims[2].stamp) for task_id, _, _ in claims[2].items]) == 5000
+    assert store.ack(0, acked) == 0  # forgotten already
+    assert (store.counts()[0]["inflight"], store.counts()[0]["scheduled"]) == (0, 5000)
+    assert store.message(claims[0].items[0][0]) is None and store.message(claims[2].items[0][0]) is not None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,21 @@ def deflate(frame: bytes, min_bytes: int) -> bytes:
 def decode_meta(data: bytes) -> dict[str, Any]:
     """The meta of an envelope, with at least ``id`` and ``q``: enough to route it."""
     return _parse(data)[0]
+
+
+#: How :meth:`Envelope.encode` starts a compact envelope: the id, then the queue.
+_ROUTE = re.compile(rb'\x01\{"id":"[^"\\]*(?:\\.[^"\\]*)*","q":"([A-Za-z0-9._-]+)"[,}]')
+
+
+def queue_of(data: bytes) -> str:
+    """The queue of an envelope, which is all the poller routes by.
+
+    It is read from the first bytes of the compact form without parsing the whole
+    meta, which at dispatch rates was the poller's largest cost per task.  Other
+    forms, and queue names that JSON escapes, go through :func:`decode_meta`.
+    """
+    match = _ROUTE.match(data) if isinstance(data, bytes) else None
+    return match[1].decode() if match else decode_meta(data)["q"]
 
 
 def _parse(data: bytes) -> tuple[dict[str, Any], bytes, bool]:

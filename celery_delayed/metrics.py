@@ -6,12 +6,15 @@ on an app that imports celery_delayed shows these too.  Store-wide gauges
 """
 from __future__ import annotations
 
+import bisect
 import logging
-from typing import Iterator
+import threading
+from typing import Iterable, Iterator
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +22,43 @@ DISPATCHED = Counter("celery_delayed_dispatched", "Tasks delivered to Kafka by t
 DELIVERY_FAILED = Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)")
 DEAD_LETTERED = Counter("celery_delayed_dead_lettered", "Messages moved to the dead-letter queue", ["source"])
 FENCE_REJECTIONS = Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists")
-DISPATCH_LAG = Histogram("celery_delayed_dispatch_lag_seconds", "Due time to Kafka delivery confirmation",
-                         buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
+
+
+class BatchHistogram(Collector):
+    """A histogram fed a batch at a time: the poller observes every task it dispatches, tens of
+    thousands a second, where ``Histogram.observe`` (a lock and a bucket search per value) was
+    a tenth of its work."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry=REGISTRY) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts = [0] * len(self._counts)
+        total = 0.0
+        for value in values:
+            counts[bisect.bisect_left(self.bounds, value)] += 1
+            total += value
+        with self._lock:
+            self._counts = [a + b for a, b in zip(self._counts, counts)]
+            self._sum += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], counts):
+            running += count
+            cumulative.append((bound, running))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=total)
+
+
+DISPATCH_LAG = BatchHistogram("celery_delayed_dispatch_lag_seconds", "Due time to Kafka delivery confirmation",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
 SKIPPED_FINISHED = Counter("celery_delayed_skipped_finished",
                            "Deliveries of tasks that had already finished, acknowledged without running")
 SKIPPED_REVOKED = Counter("celery_delayed_skipped_revoked",

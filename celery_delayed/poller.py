@@ -2,30 +2,35 @@
 
 Loop: claim what is due in each partition this poller leads (Lua, Redis clock,
 fencing token) -> produce each message to its queue's topic (key = task_id) ->
-on Kafka's delivery report, ack (forget) or nack (due again).  It sleeps until
-the next due time, woken early by a ``PUBLISH`` from the schedule script.  A
+on Kafka's delivery report, ack (forget) or nack (due again).  Store calls run on
+one store thread, in the order they are made, so Redis claims the next partition
+while this thread produces the one before, and no ack holds the loop up.  It
+sleeps until the next due time, woken early by a ``PUBLISH`` from the schedule
+script.  A
 crash anywhere leaves claimed tasks in the inflight set, and they become due
 again after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
 import time
-from collections import defaultdict
-from typing import Callable
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from . import metrics
 from .dlq import DeadLetter, DeadLetters, ResultBackend
 from .durability import preflight
-from .envelope import decode_meta
+from .envelope import queue_of
 from .kafka import CLAIMED_HEADER, DUE_HEADER, Verdict, classify, ensure_topics, make_producer
 from .leadership import Leadership
 from .settings import Settings
-from .store import STORE_ERRORS, DelayedStore, Fenced
+from .store import STORE_ERRORS, Claim, DelayedStore, Fenced
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,10 @@ class Poller:
         self._limit = RateLimit(settings.max_dispatch_rate)
         self._stopping = threading.Event()
         self._wake = threading.Event()
-        self._topics: set[str] = set()
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="delayed-store")
+        self._settling: deque[tuple[Future, Callable[[Any], None] | None]] = deque()  # in submission order
+        self._topics: set[str] = set()  # created
+        self._checked_topic = functools.lru_cache(maxsize=1024)(settings.checked_topic)  # refusals are not cached
         self._reports: list[tuple[int, str, int, int | None, KafkaError | None]] = []
         # (task id, topic) -> [(claim stamp, partition, due ms)] in produce order, until reported
         self._in_flight: dict[tuple[str, str], list[tuple[int, int, int | None]]] = {}
@@ -124,6 +132,7 @@ class Poller:
             try:
                 self._drain_reports(timeout=10.0)
             finally:
+                self._store_thread.shutdown(wait=True)
                 leader.join(timeout=self.settings.lease_ttl + 5)
                 self.leadership.release()
             metrics.LEADING.clear()
@@ -159,23 +168,15 @@ class Poller:
         horizon_ms = time.time() * 1000 + self._clock_offset_ms + self.settings.dispatch_lead * 1000
         owned = list(self.leadership.owned().items())
         self._rotation = (self._rotation + 1) % max(len(owned), 1)  # a rate limit must not starve the last ones
-        for partition, token in owned[self._rotation:] + owned[:self._rotation]:
-            if not sweep and self._next_due.get(partition, 0) > horizon_ms:
-                continue
-            budget = min(self.settings.claim_batch, self._limit.available())
-            if budget < 1:
-                break
-            try:
-                claim = self.store.claim(partition, token, int(budget))
-            except Fenced as exc:
+        due = [(partition, token) for partition, token in owned[self._rotation:] + owned[:self._rotation]
+               if sweep or self._next_due.get(partition, 0) <= horizon_ms]
+        for partition, token, budget, claim in self._claims(due):
+            if isinstance(claim, Fenced):
                 self.stats["fenced"] += 1
                 metrics.FENCE_REJECTIONS.inc()
-                logger.warning("%s: stop dispatching it", exc)
+                logger.warning("%s: stop dispatching it", claim)
                 self._fenced(partition, token)
                 continue
-            except STORE_ERRORS as exc:  # down, read-only after a failover, out of memory...
-                logger.warning("claim of partition %d failed: %s", partition, exc)
-                break
             self._clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
             claimed = (CLAIMED_HEADER, str(claim.now_ms))
@@ -186,6 +187,39 @@ class Poller:
             self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
         self._drain_reports(timeout=0)
         return produced
+
+    def _claims(self, due: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int, Claim | Fenced]]:
+        """``(partition, token, budget, claim or its Fenced refusal)`` of each due partition, in order.
+
+        The next partition's claim is sent to the store thread before this one's
+        tasks are handed back, so Redis claims while the caller produces.  A store
+        error (down, read-only after a failover...) ends the round: what was
+        already claimed is still handed back, nothing more is asked.
+        """
+        due = iter(due)
+        ahead: deque[tuple[int, int, int, Future]] = deque()
+        failed = False
+
+        def send_next() -> None:
+            reserved = sum(budget for _, _, budget, _ in ahead)
+            budget = int(min(self.settings.claim_batch, self._limit.available() - reserved))
+            if budget >= 1 and (nxt := next(due, None)):
+                partition, token = nxt
+                ahead.append((partition, token, budget,
+                              self._store_thread.submit(self.store.claim, partition, token, budget)))
+
+        send_next()
+        while ahead:
+            partition, token, budget, future = ahead.popleft()
+            if not failed:
+                send_next()
+            try:
+                yield partition, token, budget, future.result()
+            except Fenced as exc:
+                yield partition, token, budget, exc
+            except STORE_ERRORS as exc:
+                logger.warning("claim of partition %d failed: %s", partition, exc)
+                failed = True
 
     def _fenced(self, partition: int, token: int) -> None:
         """Hand a refused claim to the leadership, with the store's fences (see :meth:`Leadership.fenced`)."""
@@ -198,7 +232,7 @@ class Poller:
                  headers: list[tuple[str, str]] | None = None) -> int:
         """Route one claimed message to its topic and hand it to the producer; 1 when handed."""
         try:
-            topic = self.settings.checked_topic(decode_meta(data)["q"])
+            topic = self._checked_topic(queue_of(data))
         except Exception as exc:  # whatever one message does (RecursionError...), only it is parked
             self._dead_letter(partition, task_id, stamp, data,
                               f"undecodable stored message: {type(exc).__name__}: {exc}")
@@ -280,16 +314,26 @@ class Poller:
         self._alone = None
 
     def _settle(self, action: Callable[[int, list[tuple[str, int]]], int], partition: int,
-                claimed: list[tuple[str, int]]) -> int | None:
-        """Ack or nack ``(task_id, stamp)`` copies in the store; returns how many were still in flight
-        under their claim (the others gave way to a newer copy, which stays).  On a Redis error
-        (None) they stay in flight and return after the visibility timeout (a duplicate at
-        worst), so the loop goes on."""
-        try:
-            return action(partition, claimed)
-        except STORE_ERRORS as exc:
-            logger.warning("could not settle %d tasks of partition %d: %s", len(claimed), partition, exc)
-            return None
+                claimed: list[tuple[str, int]], then: Callable[[int], None] | None = None) -> None:
+        """Ack or nack ``(task_id, stamp)`` copies in the store, on the store thread; ``then`` gets how
+        many were still in flight under their claim (the others gave way to a newer copy, which
+        stays), on this thread (:meth:`_collect_settled`).  On a Redis error they stay in flight and
+        return after the visibility timeout (a duplicate at worst), so the loop goes on."""
+        def settle() -> int | None:
+            try:
+                return action(partition, claimed)
+            except STORE_ERRORS as exc:
+                logger.warning("could not settle %d tasks of partition %d: %s", len(claimed), partition, exc)
+                return None
+        self._settling.append((self._store_thread.submit(settle), then))
+
+    def _collect_settled(self, wait: bool = False) -> None:
+        """Run the ``then`` of each settle done so far (of all, waiting for them, with ``wait``)."""
+        while self._settling and (wait or self._settling[0][0].done()):
+            future, then = self._settling.popleft()
+            settled = future.result()
+            if then is not None and settled is not None:
+                then(settled)
 
     def _drain_reports(self, timeout: float) -> None:
         """Serve Kafka delivery reports: ack the delivered, return the failed to due, and replace
@@ -303,6 +347,7 @@ class Poller:
         fatal = self._settle_reports()
         if fatal is not None:
             self._replace_producer(fatal)
+        self._collect_settled(wait=bool(timeout))
 
     def _replace_producer(self, err: KafkaError) -> None:
         """After a fatal error a producer refuses everything for good (an idempotent producer that
@@ -334,6 +379,7 @@ class Poller:
         failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
         fatal = None
         errors: dict[str, list[str]] = defaultdict(list)  # one log line per error, not one per task
+        lags: list[float] = []
         for partition, task_id, stamp, due_ms, err in reports:
             if err:
                 failed[partition].append((task_id, stamp))
@@ -343,22 +389,27 @@ class Poller:
             else:
                 delivered[partition].append((task_id, stamp))
                 if due_ms is not None:
-                    metrics.DISPATCH_LAG.observe(max(0.0, now_ms - due_ms) / 1000)
+                    lags.append(max(0.0, now_ms - due_ms) / 1000)
+        metrics.DISPATCH_LAG.observe_many(lags)
         for err, ids in errors.items():
             logger.warning("delivery of %d task(s) failed (%s%s): %s; due again shortly", len(ids), ids[0],
                            f" and {len(ids) - 1} more" if len(ids) > 1 else "", err)
         for partition, ids in delivered.items():
-            acked = self._settle(self.store.ack, partition, ids)
-            if acked is not None:
-                self.stats["dispatched"] += len(ids)
-                self.stats["superseded"] += len(ids) - acked  # a retry or put-back came first
-                metrics.DISPATCHED.inc(len(ids))
+            self._settle(self.store.ack, partition, ids, then=lambda acked, n=len(ids): self._acked(n, acked))
         for partition, ids in failed.items():
-            if self._settle(self.store.nack, partition, ids) is not None:
-                self._next_due[partition] = 0  # due again in a second: look then
-                self.stats["delivery_failed"] += len(ids)
-                metrics.DELIVERY_FAILED.inc(len(ids))
+            self._settle(self.store.nack, partition, ids,
+                         then=lambda _, p=partition, n=len(ids): self._nacked(p, n))
         return fatal
+
+    def _acked(self, delivered: int, acked: int) -> None:
+        self.stats["dispatched"] += delivered
+        self.stats["superseded"] += delivered - acked  # a retry or put-back came first
+        metrics.DISPATCHED.inc(delivered)
+
+    def _nacked(self, partition: int, failed: int) -> None:
+        self._next_due[partition] = 0  # due again in a second: look then
+        self.stats["delivery_failed"] += failed
+        metrics.DELIVERY_FAILED.inc(failed)
 
     def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)

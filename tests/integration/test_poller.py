@@ -262,7 +262,9 @@ def test_a_poison_pill_is_dead_lettered_with_a_failure_result_and_the_poller_liv
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
     poison = f"poison-{uuid.uuid4()}"  # results are not isolated per test: a fresh id has none
-    deep = b"\x01" + f'{{"id":"{poison}","q":"{queue}","h":'.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}\n{}"
+    # (the queue after the headers: the poller's route reading must parse the meta to find it)
+    deep = (b"\x01" + f'{{"id":"{poison}","h":'.encode() + b"[" * 100_000 + b"]" * 100_000
+            + f',"q":"{queue}"}}\n{{}}'.encode())
     store.schedule_many([(poison, now_ms(), deep), *envelopes(10, queue, now_ms())])
     poller = processes.poller()
     assert len(reader.read_until(10, timeout=30)) == 10

@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta
+from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, queue_of
 from celery_delayed.store import partition_of
 
 
@@ -45,6 +45,21 @@ def test_bad_envelopes_are_named(data, words):
 
 def test_meta_only_decoding():
     assert decode_meta(make().encode())["q"] == "celery"
+
+
+@pytest.mark.parametrize("task_id, queue", [("abc", "celery"), ('a"b\\c\u00e9', "q.1-x_y"), ("x", "é"),
+                                            ("x", 'a"b'), ("", "celery")])
+def test_the_route_read_from_the_first_bytes_is_the_metas_queue(task_id, queue):
+    frame = Envelope(task_id=task_id, queue=queue, headers={"task": "t", "id": task_id}, body=b"[]",
+                     content_type="application/json", content_encoding="utf-8").encode()
+    assert queue_of(frame) == decode_meta(frame)["q"] == queue
+    assert queue_of(frame[:1] + frame[1:].replace(b'"q":', b'"h":{},"q":', 1)) == queue  # not first: parsed
+
+
+@pytest.mark.parametrize("data", [b"\x01{\"id\":\"x\"", b"\x01not json\n", b"", b"\x01{\"id\":1,\"q\":\"celery\"}\n"])
+def test_an_envelope_without_a_route_is_an_envelope_error(data):
+    with pytest.raises(EnvelopeError):
+        queue_of(data)
 
 
 def test_partition_is_stable_and_spread():

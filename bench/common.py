@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -283,11 +284,16 @@ class CpuMeter:
 
 
 class RedisMeter:
-    """Redis-wide command counts between :meth:`start` and :meth:`stop` (other clients included)."""
+    """Redis-wide command counts between :meth:`start` and :meth:`stop` (other clients included),
+    and the longest commands: every call of at least :attr:`SLOW_US` from the slow log, which
+    holds how long Redis itself was blocked (a Lua script blocks every client while it runs)."""
+
+    SLOW_US = 2000
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._start: dict[str, float] = {}
+        self._config: dict[str, str] = {}
 
     def _read(self) -> dict[str, float]:
         stats = self.client.info("commandstats")
@@ -296,11 +302,48 @@ class RedisMeter:
                 "evalsha": float(evalsha.get("calls", 0)), "evalsha_usec": float(evalsha.get("usec", 0))}
 
     def start(self) -> None:
+        self._config = self.client.config_get("slowlog-*")
+        self.client.config_set("slowlog-log-slower-than", self.SLOW_US)
+        self.client.config_set("slowlog-max-len", 100_000)
+        self.client.slowlog_reset()
         self._start = self._read()
 
     def stop(self) -> dict[str, float]:
         end = self._read()
-        return {k: end[k] - self._start.get(k, 0.0) for k in end}
+        slow = [entry["duration"] / 1000 for entry in self.client.slowlog_get(100_000)]
+        for name, value in self._config.items():
+            self.client.config_set(name, value)
+        return {**{k: end[k] - self._start.get(k, 0.0) for k in end},
+                "slow_calls": len(slow), "slowest_ms": max(slow, default=0.0)}
+
+
+class PingProbe:
+    """What other Redis clients feel while a benchmark runs: PING round trips (ms) from a thread of
+    its own, every ``interval`` s, between :meth:`start` and :meth:`stop` (a Lua script blocks
+    Redis while it runs, so a long claim shows here as a stall)."""
+
+    def __init__(self, url: str, interval: float = 0.005) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.interval = interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ping-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            t0 = time.perf_counter()
+            self.client.ping()
+            self.samples.append((time.perf_counter() - t0) * 1000)
+
+    def start(self) -> None:
+        self.client.ping()
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(5)
+        self.client.close()
+        return summary(self.samples)
 
 
 def start_py_spy(pid: int, out: Path) -> subprocess.Popen | None:

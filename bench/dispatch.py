@@ -1,12 +1,15 @@
 """Dispatch benchmark: real pollers moving due tasks from the Redis store to Kafka.
 
-1. Throughput: N due tasks preloaded with ``DelayedStore.schedule_many``, then 1
-   (and then 2) ``celery -A tasks delayed poller`` processes are started; tasks/s
-   until every record is on the topic and the store is empty.
+1. Throughput: N due tasks preloaded with ``DelayedStore.schedule_many`` (beside
+   ``--backlog`` tasks due tomorrow, to measure with a big store), then 1 (and then
+   2) ``celery -A tasks delayed poller`` processes are started; tasks/s until every
+   due record is on the topic and left the store, and the PING round trips another
+   Redis client sees meanwhile.  ``--load`` runs each a second time beside a busy
+   neighbour (one core spun).
 2. Lag: one poller leading every partition; a separate process schedules tasks at a
    fixed rate, each due ~2 s later; lag = Kafka CreateTime - due time, per record.
 
-``python -m bench.dispatch [--quick] [--tasks N] [--rates 1000,5000] [--duration S]``
+``python -m bench.dispatch [--quick] [--load] [--tasks N] [--backlog N] [--rates 1000,5000] [--duration S]``
 Results (JSON, PNG, poller logs) go to ``bench/results/``.
 """
 from __future__ import annotations
@@ -39,9 +42,9 @@ from celery_delayed.kafka import ensure_topics
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, partition_of
 
-from .common import (RESULTS, CpuMeter, Processes, RedisMeter, cleanup, exclusive, high_watermark, make_consumer,
-                     new_overrides, plot_lags, profile_top, service_pids, settings_of, start_py_spy, stop_py_spy,
-                     summary, topic_partitions)
+from .common import (RESULTS, CpuMeter, PingProbe, Processes, RedisMeter, cleanup, cpu_hog, exclusive,
+                     high_watermark, make_consumer, new_overrides, plot_lags, profile_top, service_pids, settings_of,
+                     start_py_spy, stop_py_spy, summary, topic_partitions)
 
 console = Console(width=None if Console().is_terminal else 150)
 #: MEASURED.md: Lua claim end to end into Python, ~125k tasks/s at 100k tasks in the set.
@@ -54,6 +57,7 @@ class Profile:
     """What one run measures."""
 
     tasks: int
+    backlog: int  # tasks due tomorrow beside the due ones of the throughput runs
     rates: list[int]
     duration: float
     partitions: int
@@ -133,9 +137,11 @@ def leadership_changes(log: Path, since: float) -> list[dict[str, Any]]:
 
 # -- scenario 1: throughput ------------------------------------------------------------
 def throughput(template: Envelope, profile: Profile, pollers: int, procs: Processes, progress: Progress,
-               py_spy: bool) -> dict[str, Any]:
-    """Preload ``profile.tasks`` due tasks, start ``pollers`` pollers, time until all are on Kafka."""
-    n = profile.tasks
+               py_spy: bool, loaded: bool = False) -> dict[str, Any]:
+    """Preload ``profile.tasks`` due tasks (and the backlog), start ``pollers`` pollers, time until
+    all due ones are on Kafka; beside a CPU hog when ``loaded``."""
+    n, backlog = profile.tasks, profile.backlog
+    name = f"{pollers} poller(s){', loaded' if loaded else ''}"
     overrides = new_overrides(profile.partitions)
     settings = settings_of(overrides)
     queue = overrides["task_default_queue"]
@@ -144,10 +150,11 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
     consumer = make_consumer(settings)
     spies: list[subprocess.Popen | None] = []
     spy_files: list[str] = []
+    hog: subprocess.Popen | None = None
     try:
         ensure_topics(settings, [queue])
         parts = topic_partitions(settings, topic)
-        load = progress.add_task(f"{pollers} poller(s): preload", total=n)
+        load = progress.add_task(f"{name}: preload", total=n + backlog)
         base_ms = int(time.time() * 1000) - 60_000  # due over the past minute, increasing scores
         ids = [str(uuid.uuid4()) for _ in range(n)]
         t_load = time.time()
@@ -155,15 +162,24 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
             ((tid, base_ms + i * 60_000 // n, envelope_bytes(template, queue, tid, base_ms + i * 60_000 // n))
              for i, tid in enumerate(ids)), progress=lambda k: progress.advance(load, k))
         load_s = time.time() - t_load
-        if added != n:
-            raise RuntimeError(f"preloaded {added} of {n} tasks")
+        tomorrow_ms = base_ms + 86_400_000
+        added += store.schedule_many(
+            ((tid, tomorrow_ms + i, envelope_bytes(template, queue, tid, tomorrow_ms + i))
+             for i, tid in ((i, str(uuid.uuid4())) for i in range(backlog))),
+            progress=lambda k: progress.advance(load, k))
+        if added != n + backlog:
+            raise RuntimeError(f"preloaded {added} of {n + backlog} tasks")
         msg_bytes = sum(store.redis.memory_usage(store.key(p, "msg")) or 0 for p in range(settings.partitions))
 
-        job = progress.add_task(f"{pollers} poller(s): dispatch", total=n)
-        meter = CpuMeter({**service_pids(), "bench": os.getpid()})
+        job = progress.add_task(f"{name}: dispatch", total=n)
+        if loaded:
+            hog = cpu_hog(600)
+        meter = CpuMeter({**service_pids(), "bench": os.getpid(), **({"hog": hog.pid} if hog else {})})
         calls = RedisMeter(store.redis)
+        ping = PingProbe(settings.redis_url)
         meter.start()
         calls.start()
+        ping.start()
         t0 = time.time()
         started = [procs.poller(overrides, f"throughput-{pollers}p-{k}") for k in range(pollers)]
         for k, proc in enumerate(started):
@@ -175,24 +191,27 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         on_topic, t_all_on_topic, t_done = 0, 0.0, None
         cpu: dict[str, float] = {}
         redis_calls: dict[str, float] = {}
+        stalls: dict[str, float] = {}
         while time.time() < deadline:
             procs.check_alive()
             on_topic = high_watermark(consumer, topic, parts)
             progress.update(job, completed=min(on_topic, n))
             if on_topic >= n:
                 t_all_on_topic = t_all_on_topic or time.time()
-                if all(r["scheduled"] == 0 and r["inflight"] == 0 for r in store.counts()):
+                counts = store.counts()
+                if sum(r["scheduled"] for r in counts) == backlog and not any(r["inflight"] for r in counts):
                     t_done = time.time()
                     cpu = meter.stop()
                     redis_calls = calls.stop()
+                    stalls = ping.stop()
                     break
             time.sleep(0.05)
         if t_done is None:
-            raise RuntimeError(f"{pollers} poller(s): only {on_topic} of {n} records on {topic} "
+            raise RuntimeError(f"{name}: only {on_topic} of {n} records on {topic} "
                                f"after {time.time() - t0:.0f} s; logs in {procs.logdir}")
         leftover = sum(store.redis.hlen(store.key(p, "msg")) for p in range(settings.partitions))
 
-        verify = progress.add_task(f"{pollers} poller(s): verify topic", total=on_topic)
+        verify = progress.add_task(f"{name}: verify topic", total=on_topic)
         keys: set[str] = set()
         first_ms, last_ms, records = None, 0, 0
         for key, ts in read_all(consumer, topic, parts, on_topic, timeout=120):
@@ -207,7 +226,8 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         wall = t_done - t0
         dispatch_s = max((last_ms - (first_ms or last_ms)) / 1000, 1e-3)
         logs = [log for p, log in procs.procs if p in started]
-        return {"pollers": pollers, "tasks": n, "partitions": settings.partitions, "preload_s": round(load_s, 3),
+        return {"pollers": pollers, "loaded": loaded, "tasks": n, "backlog": backlog, "ping_ms": stalls,
+                "partitions": settings.partitions, "preload_s": round(load_s, 3),
                 "preload_per_s": round(n / load_s), "msg_hash_bytes": msg_bytes,
                 "envelope_bytes": len(envelope_bytes(template, queue, ids[0], base_ms)),
                 "wall_s": round(wall, 3), "per_s_wall": round(n / wall),
@@ -222,6 +242,9 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
                 "logs": [str(log) for log in logs]}
     finally:
         stop_py_spy(spies)
+        if hog is not None:
+            hog.kill()
+            hog.wait()
         procs.stop_all()
         consumer.close()
         cleanup(settings, [topic])
@@ -398,21 +421,31 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
 def report(throughputs: list[dict[str, Any]], lags: list[dict[str, Any]]) -> None:
     """Print the result tables."""
     if throughputs:
-        table = Table("pollers", "tasks", "preload/s", "wall s", "tasks/s (wall)", "1st record s", "dispatch s",
-                      "tasks/s (dispatch)", "lost", "dup", title="Throughput: preloaded due tasks -> Kafka")
+        table = Table("pollers", "profile", "due", "in store", "preload/s", "wall s", "tasks/s (wall)", "1st record s",
+                      "dispatch s", "tasks/s (dispatch)", "PING p99 / max", "Redis blocked", "lost", "dup",
+                      title="Throughput: preloaded due tasks -> Kafka (PING: another Redis client meanwhile; "
+                            "Redis blocked: its slowest command, and how many took over 2 ms)")
         for r in throughputs:
-            table.add_row(str(r["pollers"]), f"{r['tasks']:,}", f"{r['preload_per_s']:,}", f"{r['wall_s']:.2f}",
+            table.add_row(str(r["pollers"]), "loaded" if r["loaded"] else "quiet", f"{r['tasks']:,}",
+                          f"{r['tasks'] + r['backlog']:,}", f"{r['preload_per_s']:,}", f"{r['wall_s']:.2f}",
                           f"{r['per_s_wall']:,}", f"{r['first_record_s']:.2f}", f"{r['dispatch_s']:.2f}",
-                          f"{r['per_s_dispatch']:,}", str(r["lost"]), str(r["duplicates"]))
+                          f"{r['per_s_dispatch']:,}", f"{r['ping_ms']['p99']:.1f} / {r['ping_ms']['max']:.1f} ms",
+                          f"{r['redis_calls']['slowest_ms']:.1f} ms ({r['redis_calls']['slow_calls']:.0f})",
+                          str(r["lost"]), str(r["duplicates"]))
         console.print(table)
-        by = {r["pollers"]: r for r in throughputs}
-        if 1 in by and 2 in by:
-            console.print(f"2/1 pollers: {by[2]['per_s_wall'] / by[1]['per_s_wall']:.2f}x (wall), "
-                          f"{by[2]['per_s_dispatch'] / by[1]['per_s_dispatch']:.2f}x (dispatch)")
+        by = {(r["pollers"], r["loaded"]): r for r in throughputs}
+        for loaded in (False, True):
+            one, two = by.get((1, loaded)), by.get((2, loaded))
+            if one and two:
+                console.print(f"2/1 pollers{' (loaded)' if loaded else ''}: "
+                              f"{two['per_s_wall'] / one['per_s_wall']:.2f}x (wall), "
+                              f"{two['per_s_dispatch'] / one['per_s_dispatch']:.2f}x (dispatch)")
+            if loaded and (quiet := by.get((1, False))) and (busy := by.get((1, True))):
+                console.print(f"loaded/quiet, 1 poller: {busy['per_s_dispatch'] / quiet['per_s_dispatch']:.2f}x")
         best = max(r["per_s_dispatch"] for r in throughputs)
         console.print(f"claim ceiling (MEASURED.md, 100k in the set): ~{CLAIM_CEILING:,}/s; "
                       f"best dispatch rate here {best:,}/s = {best / CLAIM_CEILING:.0%} of it")
-    rows = [(f"throughput, {r['pollers']} poller(s)", r) for r in throughputs] + \
+    rows = [(f"throughput, {r['pollers']} poller(s){', loaded' if r['loaded'] else ''}", r) for r in throughputs] + \
            [(f"lag @ {r['rate']}/s", r) for r in lags]
     if any(r["cpu_cores"] for _, r in rows):
         table = Table("scenario", "poller(s)", "redis", "kafka", "etcd", "bench (+scheduler)", "others",
@@ -454,7 +487,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Profile, argparse.Namespa
     parser = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small profile: 20k tasks, rates 500,2000, 8 s")
-    parser.add_argument("--tasks", type=int, help="preloaded tasks for throughput (default 200000)")
+    parser.add_argument("--tasks", type=int, help="preloaded due tasks for throughput (default 200000)")
+    parser.add_argument("--backlog", type=int, default=0,
+                        help="tasks due tomorrow stored beside them, e.g. 9000000 for 10M in the store (default 0)")
+    parser.add_argument("--load", action="store_true", help="run each throughput scenario beside a busy neighbour too")
     parser.add_argument("--rates", help="comma-separated rates for the lag runs (default 1000,5000)")
     parser.add_argument("--duration", type=float, help="seconds each lag run schedules (default 20)")
     parser.add_argument("--partitions", type=int, default=8, help="store partitions (default 8, as config/)")
@@ -466,13 +502,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Profile, argparse.Namespa
     opts = parser.parse_args(argv)
     quick = opts.quick
     rates = opts.rates or ("500,2000" if quick else "1000,5000")
-    profile = Profile(tasks=opts.tasks or (20_000 if quick else 200_000),
+    profile = Profile(tasks=opts.tasks or (20_000 if quick else 200_000), backlog=opts.backlog,
                       rates=[int(r) for r in rates.split(",") if r.strip()],
                       duration=opts.duration or (8.0 if quick else 20.0), partitions=opts.partitions,
                       pollers=[int(p) for p in opts.pollers.split(",") if p.strip()])
-    if profile.tasks < 1 or profile.tasks > 10_000_000 or profile.duration <= 0 or profile.duration > 600 \
-            or any(r < 1 or r > 100_000 for r in profile.rates) or any(p < 1 or p > 8 for p in profile.pollers):
-        parser.error("out of bounds: 1 <= tasks <= 10M, 0 < duration <= 600, 1 <= rate <= 100k, 1 <= pollers <= 8")
+    if (profile.tasks < 1 or not 0 <= profile.backlog <= 10_000_000 - profile.tasks
+            or not 0 < profile.duration <= 600 or any(r < 1 or r > 100_000 for r in profile.rates)
+            or any(p < 1 or p > 8 for p in profile.pollers)):
+        parser.error("out of bounds: 1 <= tasks, tasks + backlog <= 10M, 0 < duration <= 600, "
+                     "1 <= rate <= 100k, 1 <= pollers <= 8")
     return profile, opts
 
 
@@ -497,11 +535,12 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
             if "throughput" not in opts.skip:
-                for n in profile.pollers:
+                for n, loaded in [(n, loaded) for loaded in ((False, True) if opts.load else (False,))
+                                  for n in profile.pollers]:
                     try:
-                        result = throughput(template, profile, n, procs, progress, py_spy=opts.py_spy)
+                        result = throughput(template, profile, n, procs, progress, py_spy=opts.py_spy, loaded=loaded)
                     except RuntimeError as exc:  # e.g. a server restarted under us: keep the other results
-                        errors.append(f"throughput, {n} poller(s): {exc}")
+                        errors.append(f"throughput, {n} poller(s){', loaded' if loaded else ''}: {exc}")
                         continue
                     result["py_spy_top"] = [profile_top(Path(raw)) for raw in result["py_spy"] if Path(raw).exists()]
                     throughputs.append(result)

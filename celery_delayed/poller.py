@@ -6,9 +6,8 @@ on Kafka's delivery report, ack (forget) or nack (due again).  Store calls run o
 one store thread, in the order they are made, so Redis claims the next partition
 while this thread produces the one before, and no ack holds the loop up.  It
 sleeps until the next due time, woken early by a ``PUBLISH`` from the schedule
-script.  A
-crash anywhere leaves claimed tasks in the inflight set, and they become due
-again after the visibility timeout: duplicates are possible, loss is not.
+script.  A crash anywhere leaves claimed tasks in the inflight set, and they
+become due again after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import redis
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed.leadership import make_etcd
@@ -167,47 +167,6 @@ def high_watermark(consumer: Consumer, topic: str, partitions: Sequence[int]) ->
                for p in partitions)
 
 
-def delete_topics(settings: Settings, topics: Sequence[str], timeout: float = 30.0) -> None:
-    """Delete Kafka topics; one that does not exist is fine, any other failure is raised."""
-    if not topics:
-        return
-    admin = AdminClient(settings.kafka())  # keep a reference until the futures resolve
-    for future in admin.delete_topics(list(topics), operation_timeout=timeout, request_timeout=timeout).values():
-        try:
-            future.result()
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                raise
-
-
-# -- Redis / etcd ----------------------------------------------------------------
-def unlink_prefix(client: redis.Redis | redis.RedisCluster, prefix: str) -> int:
-    """UNLINK (never DEL: big keys block Redis) every key starting with ``prefix:``.
-
-    On a cluster, SCAN visits every primary and UNLINK is split by slot (redis-py's ``RedisCluster``).
-    """
-    removed = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            removed += client.unlink(*batch)
-            batch = []
-    if batch:
-        removed += client.unlink(*batch)
-    return removed
-
-
-def cleanup(settings: Settings, topics: Sequence[str]) -> None:
-    """Remove everything a scenario left: Redis keys, etcd keys, Kafka topics."""
-    unlink_prefix(connect(settings), settings.key_prefix)
-    try:
-        make_etcd(settings).delete_prefix(f"/{settings.key_prefix}/")
-    except Exception:  # etcd keys die with the pollers' leases anyway
-        pass
-    delete_topics(settings, topics)
-
-
 # -- CPU accounting (Linux /proc) --------------------------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK")
 #: How to recognise the local servers' processes by their command line.
@@ -310,11 +269,12 @@ class RedisMeter:
 
     def stop(self) -> dict[str, float]:
         end = self._read()
-        slow = [entry["duration"] / 1000 for entry in self.client.slowlog_get(100_000)]
+        slow = sorted(((entry["duration"] / 1000, entry["command"][:80].decode(errors="replace"))
+                       for entry in self.client.slowlog_get(100_000)), reverse=True)
         for name, value in self._config.items():
             self.client.config_set(name, value)
-        return {**{k: end[k] - self._start.get(k, 0.0) for k in end},
-                "slow_calls": len(slow), "slowest_ms": max(slow, default=0.0)}
+        return {**{k: end[k] - self._start.get(k, 0.0) for k in end}, "slow_calls": len(slow),
+                "slowest_ms": slow[0][0] if slow else 0.0, "slowest": slow[:10]}
 
 
 class PingProbe:

@@ -39,10 +39,11 @@ from rich.table import Table
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import ensure_topics
+from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, partition_of
 
-from .common import (RESULTS, CpuMeter, PingProbe, Processes, RedisMeter, cleanup, cpu_hog, exclusive,
+from .common import (RESULTS, CpuMeter, PingProbe, Processes, RedisMeter, cpu_hog, exclusive,
                      high_watermark, make_consumer, new_overrides, plot_lags, profile_top, service_pids, settings_of,
                      start_py_spy, stop_py_spy, summary, topic_partitions)
 
@@ -81,7 +82,7 @@ def capture_template(partitions: int) -> Envelope:
         store.cancel(result.id)
         return Envelope.decode(data)
     finally:
-        cleanup(store.settings, [])
+        remove_everything(store.settings, [])
 
 
 def envelope_bytes(template: Envelope, queue: str, task_id: str, due_ms: int) -> bytes:
@@ -247,7 +248,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
             hog.wait()
         procs.stop_all()
         consumer.close()
-        cleanup(settings, [topic])
+        remove_everything(settings, [topic])
 
 
 # -- scenario 2: lag at a fixed rate --------------------------------------------------------
@@ -414,7 +415,7 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
                 scheduler.join()
         procs.stop_all()
         consumer.close()
-        cleanup(settings, [topic])
+        remove_everything(settings, [topic])
 
 
 # -- report ----------------------------------------------------------------------------

@@ -34,9 +34,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from celery_delayed.envelope import Envelope, deflate
+from celery_delayed.sandbox import unlink_prefix
 from celery_delayed.store import DelayedStore
 
-from .common import RESULTS, exclusive, new_overrides, settings_of, unlink_prefix
+from .common import RESULTS, exclusive, new_overrides, settings_of
 from .dispatch import capture_template, envelope_bytes, git_state
 
 console = Console(width=None if Console().is_terminal else 150)

@@ -4,6 +4,7 @@ Registered through Celery's ``celery.commands`` entry point, like Flower.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -69,6 +70,8 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    gc.collect()
+    gc.freeze()  # what start-up loaded (Celery, the app) is never scanned by the GC again
     try:
         the_poller.run()
     except ConfigurationError as exc:  # the store's layout or memory policy: raised before anything runs

@@ -12,7 +12,6 @@ become due again after the visibility timeout: duplicates are possible, loss is 
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import threading
 import time
@@ -118,8 +117,6 @@ class Poller:
         pubsub.subscribe(**{self.store.wake_channel: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
         logger.info("poller %s started (%d partitions)", self.leadership.id, self.settings.partitions)
-        gc.collect()
-        gc.freeze()  # what start-up loaded (Celery, the app) is never scanned by the GC again
         try:
             while not self._stopping.is_set():
                 dispatched = self.tick()

@@ -17,11 +17,12 @@ from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.common import cleanup, high_watermark, make_consumer, new_overrides, topic_partitions, versions
+from bench.common import high_watermark, make_consumer, new_overrides, topic_partitions, versions
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.kafka import consumer_lag, ensure_topics
+from celery_delayed.sandbox import remove_everything
 from celery_delayed.store import STORE_ERRORS
 from tasks import create_app
 from tasks.chaos import ledger as ledger_of
@@ -186,7 +187,7 @@ class Run:
         deliveries, state["on_kafka"] = self._deliveries()
         tasks = tasks + self.live.sent
         verdict = check.analyse(tasks, ledger.runs(db), *ledger.effects(db), deliveries, self.injected, **state)
-        cleanup(self.settings, [self.topic])
+        remove_everything(self.settings, [self.topic])
         t0_ms = min(t.due_ms for t in tasks)
         runs = ledger.runs(db)
         return {"verdict": verdict,

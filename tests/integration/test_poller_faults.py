@@ -3,15 +3,12 @@ a full local queue.  Each fault is injected by a thin wrapper around the REAL pr
 call raises, or one report carries an error); every message it lets through goes to the real broker."""
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import Iterator
-
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from celery_delayed.dlq import DeadLetters
 from celery_delayed.kafka import make_producer
 from celery_delayed.poller import Poller
+from celery_delayed.sandbox import running
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
@@ -74,18 +71,6 @@ class BufferFullFirst(Wrapped):
         if self.full:
             raise BufferError("Local: Queue full")
         super().produce(topic, key, value, on_delivery, **options)
-
-
-@contextmanager
-def running(poller: Poller) -> Iterator[threading.Thread]:
-    """``poller.run()`` in a thread, stopped and joined at the end."""
-    thread = threading.Thread(target=poller.run, name="test-poller", daemon=True)
-    thread.start()
-    try:
-        yield thread
-    finally:
-        poller.stop()
-        thread.join(30)
 
 
 def dispatch_with(settings: Settings, queue: str, producer: Wrapped, n: int = 5) -> Poller:

@@ -25,8 +25,8 @@ from . import store_of
 from .dlq import DeadLetterError, DeadLetters
 from .poller import Poller
 from .settings import ConfigurationError, Settings
-from .revoke import CANCELLED, IN_FLIGHT, UNKNOWN, cancel_scheduled
-from .store import MAX_PAGE, DelayedStore, StoreUnavailable
+from .revoke import cancel_scheduled
+from .store import MAX_PAGE, Change, DelayedStore, StoreUnavailable
 
 console = Console()
 
@@ -136,12 +136,12 @@ def cancel(ctx: click.Context, task_id: str) -> None:
     _load(ctx)
     with _store_errors():
         outcome = cancel_scheduled(app, [task_id])[task_id]
-        if outcome == IN_FLIGHT:
+        if outcome is Change.IN_FLIGHT:
             app.control.revoke(task_id)
-    if outcome == UNKNOWN:
+    if outcome is Change.UNKNOWN:
         raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
                                    "or cancelled)")
-    click.echo(f"cancelled {task_id}" if outcome == CANCELLED
+    click.echo(f"cancelled {task_id}" if outcome is Change.DONE
                else f"{task_id} is being dispatched: revoke sent to the workers")
 
 

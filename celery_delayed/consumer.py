@@ -34,7 +34,7 @@ from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import FINISHED, FROM_KAFKA, REVOKED, RunClaims, attempt_of, finished
+from .once import FROM_KAFKA, Refused, RunClaims, attempt_of, finished
 from .revoke import record_revoked
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, iso_of
@@ -367,13 +367,13 @@ class KafkaFeed:
             self._skip_finished(task_id, record, partition, meta)
             return
         wait_ms = self.claims.acquire(task_id, attempt_of(headers))
-        if wait_ms == REVOKED:
+        if wait_ms is Refused.REVOKED:
             logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
             record_revoked(self.c.app, task_id, envelope, reason="revoked")
             metrics.SKIPPED_REVOKED.inc()
             self._settle(partition, offset)
             return
-        if wait_ms == FINISHED:
+        if wait_ms is Refused.FINISHED:
             self._skip_finished(task_id, record, partition)
             return
         if wait_ms:  # another copy is running: try again once its claim would have expired

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import zlib
+from enum import IntEnum
 from typing import Any
 
 from celery import Celery, Task, signals, states
@@ -30,8 +31,13 @@ from .store import STORE_ERRORS, DelayedStore
 logger = logging.getLogger(__name__)
 
 
-#: :meth:`RunClaims.acquire`'s answers for a revoked task id, and for one that finished.
-REVOKED, FINISHED = -1, -2
+
+
+class Refused(IntEnum):
+    """Why :meth:`RunClaims.acquire` (``lua/acquire.lua``) refused a copy for good."""
+
+    REVOKED = -1  # the task id was revoked
+    FINISHED = -2  # this attempt of it, or a later one, already ended
 #: Header the worker's Kafka consumer adds to each message it hands to Celery, so the
 #: process that runs the task knows to remember when it finished; its value says when
 #: the task was claimed, produced, read and handed to Celery (ms since the epoch).
@@ -64,11 +70,12 @@ class RunClaims:
         return task_key(self.prefix, "run", task_id)
 
     def acquire(self, task_id: str, attempt: int = 0) -> int:
-        """Claim attempt ``attempt`` (Celery's ``retries``) of ``task_id``: 0 on success,
-        :data:`REVOKED` or :data:`FINISHED` when it must not run, else the ms until the
-        current claim expires."""
+        """Claim attempt ``attempt`` (Celery's ``retries``) of ``task_id``: 0 on success, a
+        :class:`Refused` when it must not run, else the ms until the current claim expires."""
         wait_ms = self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
                                 args=[self.owner, self.lease_ms, attempt])
+        if wait_ms < 0:
+            return Refused(wait_ms)
         if wait_ms == 0:
             with self._lock:
                 self._held.add(task_id)

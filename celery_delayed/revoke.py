@@ -26,11 +26,10 @@ from kombu.serialization import prepare_accept_content
 
 from .envelope import Envelope, EnvelopeError
 from .once import remember_revoked
+from .store import Change
 
 logger = logging.getLogger(__name__)
 
-#: Outcomes of :func:`cancel_scheduled`, per task id.
-CANCELLED, UNKNOWN, IN_FLIGHT = 1, 0, -1
 
 
 class DelayedControl(Control):
@@ -50,17 +49,17 @@ class DelayedControl(Control):
         return reply
 
 
-def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, int]:
+def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, Change]:
     """Remove tasks from ``app``'s store, recording each one removed as REVOKED.
 
-    Returns, per id, :data:`CANCELLED`, :data:`UNKNOWN` (not in the store) or
-    :data:`IN_FLIGHT` (a poller is dispatching it: only a worker can drop it now).
+    Returns, per id, ``Change.DONE``, ``UNKNOWN`` (not in the store) or ``IN_FLIGHT``
+    (a poller is dispatching it: only a worker can drop it now).
     """
     store = app.amqp.delayed_store
     outcomes = {}
     remember_revoked(store, task_ids)  # first: a worker must not run what is cancelled next
     for task_id, removed in store.cancel_many(task_ids).items():
-        outcomes[task_id] = CANCELLED if isinstance(removed, bytes) else removed
+        outcomes[task_id] = Change.DONE if isinstance(removed, bytes) else removed
         if isinstance(removed, bytes):
             try:
                 envelope = Envelope.decode(removed)

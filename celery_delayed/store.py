@@ -35,7 +35,7 @@ import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sized
@@ -130,6 +130,21 @@ class TaskNotScheduled(LookupError):
 
 class TaskInFlight(RuntimeError):
     """A poller is dispatching the task: the store can no longer change it."""
+
+
+class Change(IntEnum):
+    """What ``cancel.lua`` and ``reschedule.lua`` answer for one task id (their headers use these numbers)."""
+
+    DONE = 1  # cancelled, or moved to its new due time
+    UNKNOWN = 0  # the store holds no task with that id
+    IN_FLIGHT = -1  # a poller is dispatching it: the store can no longer change it
+
+    def check(self, task_id: str, verb: str) -> None:
+        """Raise :class:`TaskNotScheduled` or :class:`TaskInFlight`, naming the task, unless DONE."""
+        if self is Change.UNKNOWN:
+            raise TaskNotScheduled(f"no scheduled task with id {task_id}")
+        if self is Change.IN_FLIGHT:
+            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be {verb}")
 
 
 class Stored(str, Enum):
@@ -396,20 +411,21 @@ class DelayedStore:
         """``(added, replaced, kept)`` summed over a pipeline of schedule scripts."""
         return tuple(sum(column) for column in zip(*replies)) if replies else (0, 0, 0)
 
-    def cancel(self, task_id: str) -> int:
-        """Remove a scheduled task: 1 cancelled, 0 unknown, -1 already being dispatched."""
+    def cancel(self, task_id: str) -> Change:
+        """Remove a scheduled task: DONE, UNKNOWN, or IN_FLIGHT (a poller is dispatching it)."""
         removed = self.cancel_many([task_id])[task_id]
-        return 1 if isinstance(removed, bytes) else removed
+        return Change.DONE if isinstance(removed, bytes) else removed
 
-    def cancel_many(self, task_ids: Iterable[str]) -> dict[str, bytes | int]:
-        """Remove scheduled tasks; per id its envelope when removed, 0 when unknown, -1 when in flight."""
+    def cancel_many(self, task_ids: Iterable[str]) -> dict[str, bytes | Change]:
+        """Remove scheduled tasks; per id its envelope when removed, else why not (UNKNOWN, IN_FLIGHT)."""
         ids = list(dict.fromkeys(task_ids))
         pipe = self.redis.pipeline(transaction=False)
         for task_id in ids:
             p = self.partition(task_id)
             self._scripts["cancel"](keys=[*self._keys(p), self.key(p, "attempt")],
                                     args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
-        return dict(zip(ids, self.execute(pipe)))
+        return {task_id: reply if isinstance(reply, bytes) else Change(reply)
+                for task_id, reply in zip(ids, self.execute(pipe))}
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
         """Move a scheduled task to a new due time (a datetime, or ms since the epoch); returns the due ms.
@@ -419,12 +435,9 @@ class DelayedStore:
         """
         due_ms = _in_range(due_ms_of(due))
         p = self.partition(task_id)
-        moved = self._call("reschedule", self._keys(p),
-                           [self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS, member_of(task_id), due_ms])
-        if moved == 0:
-            raise TaskNotScheduled(f"no scheduled task with id {task_id}")
-        if moved < 0:
-            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be rescheduled")
+        Change(self._call("reschedule", self._keys(p),
+                          [self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS, member_of(task_id), due_ms])
+               ).check(task_id, "rescheduled")
         return due_ms
 
     # -- inspection ------------------------------------------------------------

@@ -7,8 +7,8 @@
 --
 -- KEYS[1] run claim key   KEYS[2] revoke record key   KEYS[3] finished record key
 -- ARGV[1] owner   ARGV[2] lease ms   ARGV[3] this copy's attempt number
--- Returns 0 when claimed, -1 when the task was revoked, -2 when it (this attempt) finished,
--- else the ms until the current holder's claim expires.
+-- Returns 0 when claimed, -1 when the task was revoked, -2 when it (this attempt) finished
+-- (once.Refused), else the ms until the current holder's claim expires.
 local claim, revoked, finished = KEYS[1], KEYS[2], KEYS[3]
 local owner, lease, attempt = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if redis.call('EXISTS', revoked) == 1 then return -1 end

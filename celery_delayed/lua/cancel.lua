@@ -6,7 +6,7 @@
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] attempt HASH
 -- ARGV[1] bucket key prefix   ARGV[2] task id
--- Returns the removed task's envelope, 0 when unknown, -1 when in flight.
+-- Returns the removed task's envelope, 0 when unknown, -1 when in flight (store.Change).
 local message = redis.call('HGET', KEYS[2], ARGV[2])
 if not message then return 0 end
 if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return -1 end

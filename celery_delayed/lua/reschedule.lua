@@ -7,7 +7,7 @@
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix   ARGV[3] bucket width s
 -- ARGV[4] task id   ARGV[5] new due ms
--- Returns 1 when moved, 0 when unknown, -1 when in flight.
+-- Returns 1 when moved, 0 when unknown, -1 when in flight (store.Change).
 local id, due, width = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[3])
 local message = redis.call('HGET', KEYS[2], id)
 if not message then return 0 end

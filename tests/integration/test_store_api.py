@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.store import MAX_PAGE, DelayedStore, Stored, TaskInFlight, TaskNotScheduled
+from celery_delayed.store import MAX_PAGE, Change, DelayedStore, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for
 from .test_poller import settings_for
@@ -58,8 +58,8 @@ def test_cancel_reschedule_and_get(store):
     assert store.reschedule("task-1", later) == int(later.replace(tzinfo=timezone.utc).timestamp() * 1000)
     assert store.get("task-1")["eta"] == "2031-01-02T03:04:05.000+00:00"
 
-    assert store.cancel("task-0") == 1
-    assert store.get("task-0") is None and store.cancel("task-0") == 0
+    assert store.cancel("task-0") is Change.DONE
+    assert store.get("task-0") is None and store.cancel("task-0") is Change.UNKNOWN
     with pytest.raises(TaskNotScheduled, match="no scheduled task with id task-0"):
         store.reschedule("task-0", due)
 
@@ -69,7 +69,7 @@ def test_cancel_reschedule_and_get(store):
     assert [item[0] for item in claimed.items] == ["task-2"] and store.get("task-2")["state"] == "inflight"
     with pytest.raises(TaskInFlight, match="task task-2 is already being dispatched"):
         store.reschedule("task-2", due)
-    assert store.cancel("task-2") == -1
+    assert store.cancel("task-2") is Change.IN_FLIGHT
 
 
 def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
@@ -83,7 +83,7 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     buckets = store.key(0, "buckets")
     assert store.redis.zcard(buckets) >= 12
 
-    assert store.cancel(ids[0]) == 1 and store.reschedule(ids[5], now + 3_600_000)
+    assert store.cancel(ids[0]) is Change.DONE and store.reschedule(ids[5], now + 3_600_000)
     assert store.counts()[0]["next_due_ms"] == dues[1]  # the index left the cancelled head behind
     claimed = store.claim(0, token=1, limit=100)
     overdue = [i for i in range(1, 30) if i != 5]
@@ -93,7 +93,7 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
 
     assert store.nack(0, [(i, claimed.stamp) for i in ids[1:4]], delay_ms=0) == 3  # due now, in the bucket of now
     assert store.get(ids[1])["state"] == "scheduled" and store.get(ids[1])["due_ms"] >= claimed.now_ms
-    assert store.cancel(ids[1]) == 1  # found through the bucket its nack recorded
+    assert store.cancel(ids[1]) is Change.DONE  # found through the bucket its nack recorded
     second = store.claim(0, token=1, limit=100)
     assert sorted(item[0] for item in second.items) == sorted(ids[2:4]) and second.stamp > claimed.stamp
     assert store.ack(0, [(i, claimed.stamp) for i in ids[2:4]]) == 0  # the first claim's stamp: not this copy
@@ -110,7 +110,7 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     assert [item["task_id"] for item in page.items] == left[1:] + left[:1] and page.cursor is None
     assert sum(r["scheduled"] for r in store.counts()) == len(left)
     for task_id in left:
-        assert store.cancel(task_id) == 1
+        assert store.cancel(task_id) is Change.DONE
     assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.key(0, "msg")) == 0
     assert not list(store.redis.scan_iter(store.key(0, "t:*")))  # emptied buckets are gone, not left as keys
 
@@ -136,7 +136,7 @@ def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_
         assert store.schedule(task_id, due + 5, third, attempt=2) is Stored.REPLACED  # a newer attempt replaces
         assert store.get(task_id)["due_ms"] == due + 5 and store.message(task_id) == third
         assert [r["scheduled"] for r in store.counts() if r["partition"] == p] == [1]
-        assert store.cancel(task_id) == 1
+        assert store.cancel(task_id) is Change.DONE
 
 
 def test_a_late_copy_of_an_older_attempt_never_replaces_a_newer_one(store):

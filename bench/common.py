@@ -271,10 +271,15 @@ class RedisMeter:
         end = self._read()
         slow = sorted(((entry["duration"] / 1000, entry["command"][:80].decode(errors="replace"))
                        for entry in self.client.slowlog_get(100_000)), reverse=True)
-        for name, value in self._config.items():
-            self.client.config_set(name, value)
+        self.close()
         return {**{k: end[k] - self._start.get(k, 0.0) for k in end}, "slow_calls": len(slow),
                 "slowest_ms": slow[0][0] if slow else 0.0, "slowest": slow[:10]}
+
+    def close(self) -> None:
+        """Give Redis its own slow-log settings back; safe to call again, and after a failed run."""
+        config, self._config = self._config, {}
+        for name, value in config.items():
+            self.client.config_set(name, value)
 
 
 class PingProbe:

@@ -152,6 +152,8 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
     spies: list[subprocess.Popen | None] = []
     spy_files: list[str] = []
     hog: subprocess.Popen | None = None
+    calls: RedisMeter | None = None
+    ping: PingProbe | None = None
     try:
         ensure_topics(settings, [queue])
         parts = topic_partitions(settings, topic)
@@ -243,6 +245,10 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
                 "logs": [str(log) for log in logs]}
     finally:
         stop_py_spy(spies)
+        if calls is not None:  # a run that failed still gives Redis its settings back
+            calls.close()
+        if ping is not None:
+            ping.stop()
         if hog is not None:
             hog.kill()
             hog.wait()
@@ -324,6 +330,7 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
     out: mp.Queue = ctx.Queue()
     scheduler: BaseProcess | None = None
     spy: subprocess.Popen | None = None
+    calls: RedisMeter | None = None
     spy_file = procs.logdir / f"py-spy-lag-{rate}.txt"
     try:
         ensure_topics(settings, [queue])
@@ -407,6 +414,8 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
                 "py_spy": str(spy_file) if spy is not None else None}
     finally:
         stop_py_spy([spy])
+        if calls is not None:
+            calls.close()
         if scheduler is not None and scheduler.is_alive():
             scheduler.terminate()
             scheduler.join(10)

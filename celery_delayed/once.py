@@ -31,13 +31,13 @@ from .store import STORE_ERRORS, DelayedStore
 logger = logging.getLogger(__name__)
 
 
-
-
 class Refused(IntEnum):
     """Why :meth:`RunClaims.acquire` (``lua/acquire.lua``) refused a copy for good."""
 
     REVOKED = -1  # the task id was revoked
     FINISHED = -2  # this attempt of it, or a later one, already ended
+
+
 #: Header the worker's Kafka consumer adds to each message it hands to Celery, so the
 #: process that runs the task knows to remember when it finished; its value says when
 #: the task was claimed, produced, read and handed to Celery (ms since the epoch).

@@ -31,7 +31,6 @@ from .store import Change
 logger = logging.getLogger(__name__)
 
 
-
 class DelayedControl(Control):
     """Celery's remote control, with a revoke that also reaches the delayed store."""
 

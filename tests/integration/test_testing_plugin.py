@@ -11,8 +11,8 @@ from pathlib import Path
 
 import redis
 
+from celery_delayed import store_of
 from celery_delayed.sandbox import installed
-from celery_delayed.store import DelayedStore
 
 from config import celeryconfig
 from tasks import create_app
@@ -84,6 +84,6 @@ def test_installed_gives_an_app_of_a_factory_its_own_store_and_removes_it(servic
     app = create_app(**{f"delayed_{name}": value for name, value in SERVERS.items()})
     with installed(app) as app:
         result = app.send_task("tasks.demo.add", (1, 2), countdown=3600)
-        store: DelayedStore = app.amqp.delayed_store
+        store = store_of(app)
         assert store.settings.key_prefix.startswith("test-") and store.get(result.id)["state"] == "scheduled"
     assert list(store.redis.scan_iter(match=f"{store.settings.key_prefix}:*")) == []

@@ -13,6 +13,7 @@ from celery.app.control import Control
 from celery.utils.imports import symbol_by_name
 
 from . import metrics
+from .bulk import ApplyManyError, apply_many
 from .client import DelayedAMQP, DelayedPublishError
 from .consumer import KafkaConsumerStep
 from .dlq import DeadLetter, DeadLetters
@@ -25,7 +26,7 @@ from .store import DelayedStore, LayoutMismatch, StoreNotDurable, StoreUnavailab
 
 __version__ = "0.1.0"
 
-__all__ = ["install", "store_of", "Settings", "ConfigurationError", "DelayedStore", "StoreUnavailable",
+__all__ = ["install", "store_of", "apply_many", "ApplyManyError", "Settings", "ConfigurationError", "DelayedStore", "StoreUnavailable",
            "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight", "DelayedControl",
            "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
 

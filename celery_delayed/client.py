@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
 
 from celery import current_task
 from celery.app.amqp import AMQP
@@ -31,7 +32,13 @@ from .revoke import record_revoked
 from .settings import RECORD_OVERHEAD, Settings
 from .store import DelayedStore, Stored, write_retrying
 
+if TYPE_CHECKING:
+    from .bulk import Batch
+
 logger = logging.getLogger(__name__)
+
+#: The :func:`.bulk.apply_many` batch collecting this context's store writes and task-sent events.
+batching: ContextVar[Batch | None] = ContextVar("delayed_batching", default=None)
 
 class DelayedPublishError(ValueError):
     """A delayed task could not be stored as given; nothing was written."""
@@ -56,6 +63,9 @@ class DelayedAMQP(AMQP):
             if due_ms is None or due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000:
                 return send(producer, name, message, **options)
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
+            batch = batching.get()
+            if batch is not None and batch.app is self.app:  # the task-sent event waits for the batch's write
+                options["event_dispatcher"] = batch
             sent = send(store_producer, name, message, **options)
             if store_producer.expired:
                 record_revoked(self.app, store_producer.envelope.task_id, store_producer.envelope, "expired",
@@ -73,13 +83,14 @@ class DelayedAMQP(AMQP):
 
         Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
         conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
-        say, an aware one is taken as it is.
+        say, an aware one is taken as it is.  The zone only names the same instant
+        differently, so it is not looked up (a settings lookup costs more than the parse).
         """
         value = headers.get(name) if isinstance(headers, dict) else None
         if not value:
             return None
         try:
-            when = maybe_make_aware(maybe_iso8601(value), self.app.conf.timezone)
+            when = maybe_make_aware(maybe_iso8601(value))
         except (TypeError, ValueError) as exc:
             raise DelayedPublishError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
         return int(when.timestamp() * 1000)
@@ -181,8 +192,13 @@ class _StoreProducer:
         Celery would fail the task for good (``Task.retry`` turns the error into
         ``Reject(requeue=False)``), while the task was never done.
         A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
+        Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it.
         """
         own_retry = _is_own_retry(envelope)
+        batch = batching.get()
+        if batch is not None and batch.app is self._amqp.app and not own_retry and not attempt_of(envelope.headers):
+            batch.items.append((envelope.task_id, self._due_ms, stored))
+            return
         outcome = write_retrying(
             self._amqp.delayed_store.schedule, (envelope.task_id, self._due_ms, stored),
             {"attempt": attempt_of(envelope.headers)},

@@ -1,0 +1,174 @@
+"""Bulk scheduling from signatures: :func:`apply_many`.
+
+Each signature is sent by its own ``apply_async``, so its message is exactly
+what that call builds (headers, routing, serializer, ``before_task_publish`` /
+``after_task_publish``, the task-sent event).  What changes is the writing: the
+store writes of a chunk of signatures go to Redis as one pipelined
+:meth:`.DelayedStore.schedule_many`, and their task-sent events follow in a few
+broker messages of Celery's batched ``task.multi`` form (which Flower and
+``celery events`` read as a worker's buffered events), once the chunk is stored.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, Callable, Iterable, Iterator
+
+from celery import Celery, current_app
+from celery.canvas import Signature
+from celery.events import Event
+from celery.result import AsyncResult
+from celery.utils import uuid
+from celery.utils.time import utcoffset
+
+from .client import DelayedAMQP, batching
+from .store import write_retrying
+
+#: Signatures sent per chunk: their tasks are stored in one pipelined write.
+CHUNK = 1000
+#: task-sent events per broker message.
+EVENTS_PER_MESSAGE = 100
+#: The options that set a signature's due time.
+_TIMES = frozenset(("eta", "countdown"))
+
+
+class ApplyManyError(Exception):
+    """:func:`apply_many` stopped at a signature it could not send, or at a failed store write.
+
+    ``scheduled`` is how many of the signatures, in order, were sent and stored
+    before it.  The signatures were given their task ids first, so calling
+    :func:`apply_many` again with the same signatures sends each of them once
+    (an id already scheduled keeps its stored copy).
+    """
+
+    def __init__(self, message: str, scheduled: int) -> None:
+        super().__init__(message)
+        self.scheduled = scheduled
+
+
+class Batch:
+    """The store items and task-sent events of one chunk, collected while its signatures are sent.
+
+    It stands in for Celery's event dispatcher in ``send_task_message`` (the
+    ``event_dispatcher`` option), keeping each event until the chunk is stored.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.items: list[tuple[str, int, bytes]] = []
+        self.events: list[dict] = []
+        self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
+        self._publish_options: dict[str, Any] = {}
+
+    def publish(self, type: str, fields: dict, producer: Any, retry: bool = False,
+                retry_policy: dict | None = None, **_: Any) -> None:
+        """``EventDispatcher.publish``, deferred: the event is sent by :meth:`flush`."""
+        dispatcher = self._dispatcher
+        self.events.append(Event(type, hostname=dispatcher.hostname, utcoffset=utcoffset(), pid=dispatcher.pid,
+                                 clock=dispatcher.clock.forward(), **fields))
+        self._publish_options = {"retry": retry, "retry_policy": retry_policy}
+
+    def flush(self) -> None:
+        """Store the chunk's tasks (retried as a broker publish is), then send their events."""
+        if self.items:
+            conf = self.app.conf
+            store = self.app.amqp.delayed_store
+            write_retrying(store.schedule_many, (self.items,), failed=f"storing {len(self.items)} tasks failed",
+                           policy=conf.task_publish_retry_policy if conf.task_publish_retry else {"max_retries": 0})
+            self.items = []
+        if self.events:
+            dispatcher = self._dispatcher
+            with self.app.producer_or_acquire() as producer:
+                for start in range(0, len(self.events), EVENTS_PER_MESSAGE):
+                    producer.publish(self.events[start:start + EVENTS_PER_MESSAGE], routing_key="task.multi",
+                                     exchange=dispatcher.exchange.name, declare=[dispatcher.exchange],
+                                     serializer=dispatcher.serializer, headers=dispatcher.headers,
+                                     delivery_mode=dispatcher.delivery_mode, **self._publish_options)
+            self.events = []
+
+
+def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, countdown: float | None = None,
+               app: Celery | None = None, progress: Callable[[int], None] | None = None) -> list[AsyncResult]:
+    """Send ``signatures`` (of ``app``'s tasks, default the current app) as their ``apply_async`` would,
+    the delayed ones written to the store a chunk at a time; returns their results, in order.
+
+    Each signature keeps its own ``eta``/``countdown``, unless ``eta`` or
+    ``countdown`` is given for all of them.  A signature due sooner than
+    ``delayed_min_delay`` (or with no ETA) goes to the broker at once, as with
+    ``apply_async``.  ``progress`` gets the number sent so far after each chunk.
+    ``after_task_publish`` fires when a signature joins its chunk; the chunk is
+    stored (and its task-sent events sent) before the next one is built.
+    Raises :class:`ApplyManyError` when a signature cannot be sent or a store
+    write fails for good; the signatures before it are scheduled.
+    """
+    if eta is not None and countdown is not None:
+        raise TypeError("apply_many takes eta or countdown, not both")
+    when = {"eta": eta} if eta is not None else {"countdown": countdown} if countdown is not None else {}
+    app = app or current_app._get_current_object()
+    if not isinstance(app.amqp, DelayedAMQP):
+        raise RuntimeError("celery_delayed.install(app) was not called on this app")
+    results: list[AsyncResult] = []
+    chunk: list[Signature] = []
+    for signature in signatures:
+        if type(signature) is Signature:  # its task id before anything is sent: a second call sends it once
+            signature.options.setdefault("task_id", uuid())  # (freeze() would also build a result to drop)
+        else:
+            signature.freeze()  # a canvas: ids for all its tasks
+        chunk.append(signature)
+        if len(chunk) >= CHUNK:
+            _send_chunk(app, chunk, when, results, progress)
+            chunk = []
+    if chunk:
+        _send_chunk(app, chunk, when, results, progress)
+    return results
+
+
+@contextmanager
+def _results_subscribed_on_get(app: Celery) -> Iterator[None]:
+    """No result subscription per task sent: ``AsyncResult.get()`` subscribes when it is called.
+
+    Celery's Redis result backend subscribes to each task's result channel as it
+    is sent (``on_task_call``), in case ``get()`` follows at once.  For tasks due
+    in hours that is an open channel per task for nothing: a million of them in
+    Redis, and a quarter of this call's time.  ``get()`` works the same without:
+    it subscribes, then reads a result already stored.  ``app.backend`` belongs
+    to this thread, so no other thread's sends are touched.
+    """
+    backend = app.backend
+    backend.on_task_call = lambda producer, task_id: None
+    try:
+        yield
+    finally:
+        del backend.on_task_call
+
+
+def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[AsyncResult],
+                progress: Callable[[int], None] | None) -> None:
+    """Send one chunk's signatures into a :class:`Batch`, then write it; ``results`` grows by the chunk."""
+    batch = Batch(app)
+    sent: list[AsyncResult] = []
+    failed: Exception | None = None
+    token = batching.set(batch)
+    try:
+        with app.producer_or_acquire() as producer, _results_subscribed_on_get(app):
+            for signature in chunk:
+                if when and not _TIMES.isdisjoint(signature.options):  # apply_async would keep its own
+                    signature = signature.clone()
+                    for name in _TIMES:
+                        signature.options.pop(name, None)
+                sent.append(signature.apply_async(producer=producer, **when))
+    except Exception as exc:
+        failed = exc
+    finally:
+        batching.reset(token)
+    try:
+        batch.flush()  # the signatures sent before a failure are stored too
+    except Exception as exc:
+        raise ApplyManyError(f"storing signatures {len(results) + 1}..{len(results) + len(sent)} failed: {exc}",
+                             scheduled=len(results)) from exc
+    results.extend(sent)
+    if failed is not None:
+        raise ApplyManyError(f"signature {len(results) + 1} ({chunk[len(sent)]!r}) could not be sent: {failed}",
+                             scheduled=len(results)) from failed
+    if progress:
+        progress(len(results))

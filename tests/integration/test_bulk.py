@@ -1,0 +1,167 @@
+"""``apply_many``: signatures scheduled in bulk are stored as ``apply_async`` stores them, run once from
+Kafka, show up as sent in the event stream, and a failure part-way leaves a list that can be sent again."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_delayed import ApplyManyError, DelayedPublishError, StoreUnavailable, apply_many, bulk, store_of
+from celery_delayed.envelope import Envelope
+from tasks import create_app
+
+from .support import wait_for
+
+pytestmark = pytest.mark.cluster_too
+
+
+def stored(app: Celery, task_id: str) -> Envelope:
+    return Envelope.decode(store_of(app).message(task_id))
+
+
+def same_but_ids(envelope: Envelope, task_id: str) -> dict:
+    """What an envelope says, its own task id written as ``ID``."""
+    def unid(value):
+        return value.replace(task_id, "ID") if isinstance(value, str) else value
+    return {"headers": {k: unid(v) for k, v in envelope.headers.items()}, "body": envelope.body,
+            "properties": {k: unid(v) for k, v in envelope.properties.items()}, "queue": envelope.queue,
+            "content": (envelope.content_type, envelope.content_encoding),
+            "route": (envelope.exchange, envelope.routing_key)}
+
+
+def scheduled_count(app: Celery) -> int:
+    return sum(p["scheduled"] for p in store_of(app).counts())
+
+
+def test_a_signature_is_stored_as_its_apply_async_stores_it(overrides):
+    app = create_app(**overrides)
+    work, add = app.tasks["tasks.demo.work"], app.tasks["tasks.demo.add"]
+    eta = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=1)
+    expires = eta + timedelta(hours=1)
+    variants = {
+        "plain": work.s("r"),
+        "options": work.s("r", 0.5).set(priority=3, headers={"tenant": "t1"}, expires=expires,
+                                       link=add.si(1, 2), shadow="shown-as"),
+        "queue": add.s(1, 2).set(queue=f"{overrides['task_default_queue']}-other"),
+        "msgpack": add.s(3, 4).set(serializer="msgpack"),
+    }
+    for name, signature in variants.items():
+        single, many = f"{name}-{uuid.uuid4()}", f"{name}-{uuid.uuid4()}"
+        signature.clone().set(task_id=single).apply_async(eta=eta)
+        apply_many([signature.clone().set(task_id=many, countdown=99)], eta=eta, app=app)
+        assert same_but_ids(stored(app, many), many) == same_but_ids(stored(app, single), single), name
+        assert store_of(app).get(many)["due_ms"] == int(eta.timestamp() * 1000)
+
+    with pytest.raises(TypeError, match="eta or countdown"):
+        apply_many([work.s("r")], eta=eta, countdown=10, app=app)
+
+
+def test_each_keeps_its_own_countdown_and_one_without_goes_to_the_broker(overrides):
+    app = create_app(**overrides)
+    add = app.tasks["tasks.demo.add"]
+    before = datetime.now(timezone.utc).timestamp() * 1000
+    results = apply_many([add.s(1, i).set(countdown=600 + i) for i in range(3)] + [add.s(0, 0)], app=app)
+    dues = [store_of(app).get(r.id)["due_ms"] - before for r in results[:3]]
+    assert all(0 <= due - (600 + i) * 1000 < 5000 for i, due in enumerate(dues)), dues
+    assert store_of(app).get(results[3].id) is None
+    assert redis.Redis.from_url(app.conf.broker_url).llen(overrides["task_default_queue"]) == 1
+
+
+class SentEvents(threading.Thread):
+    """The ids of the task-sent events on the app's event stream, as Flower receives them."""
+
+    def __init__(self, app: Celery) -> None:
+        super().__init__(daemon=True)
+        self.app, self.ids, self.etas, self.probed = app, [], {}, threading.Event()
+
+    def run(self) -> None:
+        with self.app.connection_for_read() as conn:
+            self.receiver = self.app.events.Receiver(conn, handlers={"*": self.on_event})
+            self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def on_event(self, event: dict) -> None:
+        if event["type"] == "task-sent":
+            self.ids.append(event["uuid"])
+            self.etas[event["uuid"]] = event.get("eta")
+        elif event["type"] == "test-probe":
+            self.probed.set()
+
+    def listening(self) -> None:
+        """Probe until the receiver hears its own kind: a fanout only reaches a subscribed receiver."""
+        def probe():
+            with self.app.producer_or_acquire() as producer:
+                self.app.events.Dispatcher(enabled=False).publish("test-probe", {}, producer)
+            return self.probed.wait(0.5)
+        wait_for(probe, 30, "the event receiver to listen")
+
+    def stop(self) -> None:
+        self.receiver.should_stop = True
+        self.join(10)
+
+
+def test_bulk_scheduled_tasks_run_once_and_are_seen_sent(overrides, processes, monkeypatch):
+    monkeypatch.setattr(bulk, "CHUNK", 7)  # several chunks, the last one short
+    monkeypatch.setattr(bulk, "EVENTS_PER_MESSAGE", 3)
+    app = create_app(**overrides)
+    work = app.tasks["tasks.demo.work"]
+    run = uuid.uuid4().hex
+    events = SentEvents(app)
+    events.start()
+    events.listening()
+    progress: list[int] = []
+    results = apply_many((work.s(run) for _ in range(30)), countdown=3, app=app, progress=progress.append)
+    assert progress == [7, 14, 21, 28, 30]
+    ids = [r.id for r in results]
+    assert len(set(ids)) == 30 and scheduled_count(app) == 30
+    channels = [app.backend.get_key_for_task(task_id) for task_id in ids]
+    assert [n for _, n in app.backend.client.pubsub_numsub(*channels)] == [0] * 30  # none held open until get()
+    processes.poller()
+    processes.worker("w1")
+    assert [r.get(timeout=90) for r in results] == ids
+    runs = {k.decode(): int(v) for k, v in store_of(app).redis.hgetall(f"demo:{run}:runs").items()}
+    assert runs == {task_id: 1 for task_id in ids}
+    wait_for(lambda: set(events.ids) >= set(ids), 30, "a task-sent event of every task")
+    events.stop()
+    assert sorted(events.ids) == sorted(ids)  # each once
+    assert all(events.etas[task_id] for task_id in ids)
+
+
+def test_a_failure_part_way_stores_the_ones_before_and_the_same_list_can_be_sent_again(overrides, monkeypatch):
+    monkeypatch.setattr(bulk, "CHUNK", 4)
+    app = create_app(**overrides)
+    add = app.tasks["tasks.demo.add"]
+    signatures = [add.s(i, i) for i in range(10)]
+    signatures[6] = add.s(6, 6).set(queue="not a topic!")  # a space: no Kafka topic can carry it
+    with pytest.raises(ApplyManyError, match=r"signature 7 .*not a topic") as failed:
+        apply_many(signatures, countdown=600, app=app)
+    assert failed.value.scheduled == 6 and isinstance(failed.value.__cause__, DelayedPublishError)
+    assert scheduled_count(app) == 6
+
+    del signatures[6]
+    results = apply_many(signatures, countdown=600, app=app)
+    assert scheduled_count(app) == 9  # the six already scheduled were kept, not doubled
+    assert [r.id for r in results] == [s.options["task_id"] for s in signatures]
+
+
+def test_a_store_that_is_down_is_reported_with_nothing_sent(overrides):
+    with socket_nobody_listens_on() as port:
+        app = create_app(**{**overrides, "delayed_redis_url": f"redis://127.0.0.1:{port}/0",
+                            "delayed_redis_cluster": False, "task_publish_retry": False})
+        with pytest.raises(ApplyManyError, match="storing signatures 1..3 failed") as failed:
+            apply_many([app.tasks["tasks.demo.add"].s(1, 1) for _ in range(3)], countdown=600, app=app)
+    assert failed.value.scheduled == 0 and isinstance(failed.value.__cause__, StoreUnavailable)
+
+
+@contextlib.contextmanager
+def socket_nobody_listens_on() -> Iterator[int]:
+    """A port bound but not listening: connecting to it is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

@@ -100,13 +100,28 @@ def status(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
 
 
+def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> str:
+    """The task id given, or the one scheduled under replace-by-key ``key``."""
+    if (task_id is None) == (key is None):
+        raise click.UsageError("give a TASK_ID or --key KEY")
+    if key is None:
+        return task_id
+    with _store_errors():
+        holder = store.key_holder(key)
+    if holder is None:
+        raise click.ClickException(f"no task is scheduled under key {key!r}")
+    return holder
+
+
 @delayed.command(name="show", cls=CeleryCommand)
-@click.argument("task_id")
+@click.argument("task_id", required=False)
+@click.option("--key", help="The task scheduled under this replace-by-key key (delayed_key header).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def show_task(ctx: click.Context, task_id: str, as_json: bool) -> None:
+def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json: bool) -> None:
     """One task in the store: due time, task, queue, partition, state and its message's headers."""
     store = _load(ctx)[1]
+    task_id = _task_id_of(store, task_id, key)
     with _store_errors():
         info, now_ms = store.get(task_id), store.now_ms()
     if info is None:
@@ -125,16 +140,20 @@ def show_task(ctx: click.Context, task_id: str, as_json: bool) -> None:
 
 
 @delayed.command(cls=CeleryCommand)
-@click.argument("task_id")
+@click.argument("task_id", required=False)
+@click.option("--key", help="The task scheduled under this replace-by-key key (delayed_key header).")
 @click.pass_context
-def cancel(ctx: click.Context, task_id: str) -> None:
+def cancel(ctx: click.Context, task_id: str | None, key: str | None) -> None:
     """Cancel a scheduled task for good (as a revoke does): out of the store, marked REVOKED.
 
     A task a poller is already dispatching is revoked in the workers instead.
     """
     app = ctx.obj.app
-    _load(ctx)
+    store = _load(ctx)[1]
+    task_id = _task_id_of(store, task_id, key)
     with _store_errors():
+        if key is not None:
+            store.release_key(key, task_id)
         outcome = cancel_scheduled(app, [task_id])[task_id]
         if outcome is Change.IN_FLIGHT:
             app.control.revoke(task_id)

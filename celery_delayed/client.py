@@ -27,10 +27,13 @@ from kombu import Queue
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
-from .once import attempt_of, executing
-from .revoke import record_revoked
+from .once import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing
+from .revoke import cancel_scheduled, record_revoked
 from .settings import RECORD_OVERHEAD, Settings
 from .store import DelayedStore, Stored, write_retrying
+
+#: Longest replace-by-key key (characters).
+MAX_KEY_LENGTH = 512
 
 if TYPE_CHECKING:
     from .bulk import Batch
@@ -60,7 +63,8 @@ class DelayedAMQP(AMQP):
 
         def send_task_message(producer, name, message, **options):
             due_ms = self.due_ms(message.headers)
-            if due_ms is None or due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000:
+            if due_ms is None or (due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000
+                                  and KEY_HEADER not in (options.get("headers") or {})):  # a keyed one meets its key
                 return send(producer, name, message, **options)
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
             batch = batching.get()
@@ -119,6 +123,7 @@ class DelayedAMQP(AMQP):
         form is more than Kafka's producer would carry (it could never be dispatched).
         """
         settings = self.delayed_settings
+        key_of(envelope.headers)
         try:
             settings.checked_topic(envelope.queue)
             frame = envelope.encode()
@@ -195,18 +200,66 @@ class _StoreProducer:
         Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it.
         """
         own_retry = _is_own_retry(envelope)
+        attempt = attempt_of(envelope.headers)
+        keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
         batch = batching.get()
-        if batch is not None and batch.app is self._amqp.app and not own_retry and not attempt_of(envelope.headers):
+        if batch is not None and batch.app is self._amqp.app and not own_retry and not attempt and not keyed:
             batch.items.append((envelope.task_id, self._due_ms, stored))
             return
-        outcome = write_retrying(
-            self._amqp.delayed_store.schedule, (envelope.task_id, self._due_ms, stored),
-            {"attempt": attempt_of(envelope.headers)},
-            failed=f"task {envelope.task_name} [{envelope.task_id}]: store write failed",
-            policy=policy if retry or own_retry else {"max_retries": 0}, forever=own_retry)
-        if outcome is Stored.KEPT:
+        store = self._amqp.delayed_store
+
+        def retrying(write: Any, *args: Any, **kwargs: Any) -> Any:
+            return write_retrying(write, args, kwargs,
+                                  failed=f"task {envelope.task_name} [{envelope.task_id}]: store write failed",
+                                  policy=policy if retry or own_retry else {"max_retries": 0}, forever=own_retry)
+
+        if keyed and keyed[1] == "keep" and not self._took_key(keyed[0], envelope, retrying):
+            return
+        if retrying(store.schedule, envelope.task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, envelope.task_id)
+        if keyed and keyed[1] == "replace":  # stored first: a crash now leaves the old one holding the key
+            previous = retrying(store.hold_key, keyed[0], envelope.task_id, replace=True)[1]
+            if previous not in (None, envelope.task_id):
+                logger.info("task %s [%s] replaces %s under key %r", envelope.task_name, envelope.task_id,
+                            previous, keyed[0])
+                cancel_scheduled(self._amqp.app, [previous], reason="replaced")
+
+    def _took_key(self, key: str, envelope: Envelope, retrying: Any) -> bool:
+        """``delayed_key_mode="keep"``: take ``key`` unless another task is scheduled under it.
+
+        The key is taken before the task is stored, so a crash between the two
+        leaves a holder the store no longer has, which the next task replaces.
+        A task refused is recorded REVOKED (``duplicate key``): it never runs.
+        """
+        store, task_id = self._amqp.delayed_store, envelope.task_id
+        holder = retrying(store.key_holder, key)
+        if holder in (None, task_id) or retrying(store.get, holder) is None:
+            taken, holder = retrying(store.hold_key, key, task_id, holder)
+            if taken:
+                return True
+        logger.info("task %s [%s] not scheduled: %s is scheduled under key %r (delayed_key_mode=keep)",
+                    envelope.task_name, task_id, holder, key)
+        record_revoked(self._amqp.app, task_id, envelope, "duplicate key")
+        return False
+
+
+def key_of(headers: dict) -> tuple[str, str] | None:
+    """The replace-by-key ``(key, mode)`` of a message's headers, or None when it has no key.
+
+    Raises :class:`DelayedPublishError` for a key that is not a string of 1 to
+    :data:`MAX_KEY_LENGTH` characters, or a mode other than ``replace``/``keep``.
+    """
+    key = headers.get(KEY_HEADER)
+    if key is None:
+        return None
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
+        raise DelayedPublishError(f"the {KEY_HEADER} header must be a string of 1 to {MAX_KEY_LENGTH} characters, "
+                                  f"got {key!r:.80}")
+    mode = headers.get(KEY_MODE_HEADER) or "replace"
+    if mode not in KEY_MODES:
+        raise DelayedPublishError(f"the {KEY_MODE_HEADER} header must be one of {', '.join(KEY_MODES)}, got {mode!r}")
+    return key, mode
 
 
 def _is_own_retry(envelope: Envelope) -> bool:

@@ -34,7 +34,7 @@ from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import FROM_KAFKA, Refused, RunClaims, attempt_of, finished
+from .once import FROM_KAFKA, KEY_HEADER, Refused, RunClaims, attempt_of, finished
 from .revoke import record_revoked
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, iso_of
@@ -365,6 +365,13 @@ class KafkaFeed:
         task_id = envelope.task_id
         if meta := finished(self.c.app.backend, task_id):
             self._skip_finished(task_id, record, partition, meta)
+            return
+        key = headers.get(KEY_HEADER)
+        if isinstance(key, str) and (holder := self.store.key_holder(key)) not in (None, task_id):
+            logger.info("task %s was replaced by %s under key %r: recorded as REVOKED, not run", task_id, holder, key)
+            record_revoked(self.c.app, task_id, envelope, reason="replaced")
+            metrics.SKIPPED_REVOKED.inc()
+            self._settle(partition, offset)
             return
         wait_ms = self.claims.acquire(task_id, attempt_of(headers))
         if wait_ms is Refused.REVOKED:

@@ -28,6 +28,13 @@ from celery.backends.base import DisabledBackend
 from .redis_client import Script, execute
 from .store import STORE_ERRORS, DelayedStore
 
+#: The header naming a task's replace-by-key key: at most one task per key is scheduled.
+KEY_HEADER = "delayed_key"
+#: ``"replace"`` (the default: a new task replaces the scheduled one) or ``"keep"`` (the scheduled one
+#: stays, the new one is dropped).
+KEY_MODE_HEADER = "delayed_key_mode"
+KEY_MODES = ("replace", "keep")
+
 logger = logging.getLogger(__name__)
 
 
@@ -142,6 +149,12 @@ def remember_finished(app: Celery) -> None:
         if not getattr(sender.request, FROM_KAFKA, None):
             return
         store = app.amqp.delayed_store
+        key = getattr(sender.request, KEY_HEADER, None)
+        if record == ENDED and isinstance(key, str):
+            try:  # the key is free for the next task; until then a newer holder is kept
+                store.release_key(key, task_id)
+            except STORE_ERRORS as exc:  # a stale holder only costs memory: a new task replaces it
+                logger.warning("task %s finished, but its key %r could not be released: %s", task_id, key, exc)
         ttl_ms = int(store.settings.done_ttl * 1000)
         if ttl_ms <= 0:
             return

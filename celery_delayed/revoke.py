@@ -48,8 +48,8 @@ class DelayedControl(Control):
         return reply
 
 
-def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, Change]:
-    """Remove tasks from ``app``'s store, recording each one removed as REVOKED.
+def cancel_scheduled(app: Celery, task_ids: list[str], reason: str = "revoked") -> dict[str, Change]:
+    """Remove tasks from ``app``'s store, recording each one removed as REVOKED (with ``reason``).
 
     Returns, per id, ``Change.DONE``, ``UNKNOWN`` (not in the store) or ``IN_FLIGHT``
     (a poller is dispatching it: only a worker can drop it now).
@@ -64,7 +64,7 @@ def cancel_scheduled(app: Celery, task_ids: list[str]) -> dict[str, Change]:
                 envelope = Envelope.decode(removed)
             except EnvelopeError:
                 envelope = None
-            record_revoked(app, task_id, envelope, reason="revoked")
+            record_revoked(app, task_id, envelope, reason=reason)
     return outcomes
 
 

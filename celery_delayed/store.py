@@ -11,6 +11,7 @@ Redis Cluster slot):
 - ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
 - ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
 - ``<prefix>:{p}:attempt``  HASH id -> attempt number of the stored copy, for retries only
+- ``<prefix>:{p}:keys``     HASH replace-by-key key -> the task id scheduled under it (:mod:`.client`)
 - ``<prefix>:layout``        what every process must agree on: partitions, bucket
   width, format version (:meth:`DelayedStore.check_layout`)
 
@@ -236,7 +237,7 @@ class DelayedStore:
         self._waitaof_checked = False
         self._scripts = {name: Script(self.redis, self.lua_source(name))
                          for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
-                                      "counts")}
+                                      "counts", "hold_key", "release_key")}
 
     @staticmethod
     def lua_source(name: str) -> str:
@@ -426,6 +427,27 @@ class DelayedStore:
                                     args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
         return {task_id: reply if isinstance(reply, bytes) else Change(reply)
                 for task_id, reply in zip(ids, self.execute(pipe))}
+
+    # -- replace by key ------------------------------------------------------
+    def key_holder(self, key: str) -> str | None:
+        """The task scheduled under a replace-by-key ``key`` (the ``delayed_key`` header), or None."""
+        holder = self._call_redis(self.redis.hget, self._key_index(key), key)
+        return None if holder is None else holder.decode()
+
+    def hold_key(self, key: str, task_id: str, seen: str | None = None, *, replace: bool = False
+                 ) -> tuple[bool, str | None]:
+        """Point ``key`` at ``task_id``: whatever holds it with ``replace``, else only if ``seen`` (None:
+        nobody) still holds it.  Returns whether it did, and the holder before (or the current one)."""
+        done, holder = self._call("hold_key", [self._key_index(key)], [key, task_id, "*" if replace else seen or ""])
+        return bool(done), None if holder is None else holder.decode()
+
+    def release_key(self, key: str, task_id: str) -> bool:
+        """Forget ``key`` if ``task_id`` still holds it (its task ended or was cancelled)."""
+        return bool(self._call("release_key", [self._key_index(key)], [key, task_id]))
+
+    def _key_index(self, key: str) -> str:
+        """The hash of the keys in ``key``'s partition (keys are spread as task ids are)."""
+        return self.key(self.partition(key), "keys")
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
         """Move a scheduled task to a new due time (a datetime, or ms since the epoch); returns the due ms.

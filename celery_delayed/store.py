@@ -31,6 +31,7 @@ import heapq
 import itertools
 import logging
 import math
+import re
 import struct
 import zlib
 from collections import deque
@@ -241,8 +242,9 @@ class DelayedStore:
 
     @staticmethod
     def lua_source(name: str) -> str:
-        """The text of ``lua/<name>.lua`` (registered once, then called by SHA)."""
-        return (resources.files(__package__) / "lua" / f"{name}.lua").read_text()
+        """The text of ``lua/<name>.lua`` (registered once, then called by SHA), each line
+        ``--- @include <steps>`` replaced by ``lua/<steps>.lua``: steps several scripts share."""
+        return _INCLUDE.sub(lambda line: _lua_file(line[1]), _lua_file(name))
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
@@ -655,6 +657,14 @@ def _pairs(claimed: list[tuple[str, int]]) -> list:
 def _envelope_of(stored: bytes) -> bytes:
     """A stored message without its leading bucket start."""
     return stored[_BUCKET.size:]
+
+
+#: A line of a Lua script that includes shared steps (see :meth:`DelayedStore.lua_source`).
+_INCLUDE = re.compile(r"^--- @include (\w+)$", re.MULTILINE)
+
+
+def _lua_file(name: str) -> str:
+    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text()
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:

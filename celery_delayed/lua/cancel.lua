@@ -7,14 +7,15 @@
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] attempt HASH
 -- ARGV[1] bucket key prefix   ARGV[2] task id
 -- Returns the removed task's envelope, 0 when unknown, -1 when in flight (store.Change).
-local message = redis.call('HGET', KEYS[2], ARGV[2])
+--- @include _buckets
+local index, msgs, inflight, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local prefix, id = ARGV[1], ARGV[2]
+local message = redis.call('HGET', msgs, id)
 if not message then return 0 end
-if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return -1 end
-local bucket = struct.unpack('>I4', message)
-local key = ARGV[1] .. bucket
-redis.call('ZREM', key, ARGV[2])
-redis.call('HDEL', KEYS[2], ARGV[2])
-redis.call('HDEL', KEYS[4], ARGV[2])
-local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-if rest[2] then redis.call('ZADD', KEYS[1], rest[2], bucket) else redis.call('ZREM', KEYS[1], bucket) end
-return string.sub(message, 5)
+if redis.call('ZSCORE', inflight, id) then return -1 end
+local bucket = bucket_of(message)
+redis.call('ZREM', prefix .. bucket, id)
+redis.call('HDEL', msgs, id)
+redis.call('HDEL', attempts, id)
+refresh_bucket(index, prefix .. bucket, bucket)
+return envelope_of(message)

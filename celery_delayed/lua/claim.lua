@@ -14,12 +14,15 @@
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
 -- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
+--- @include _buckets
+local index, msgs, inflight, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local prefix = ARGV[4]
 local token = tonumber(ARGV[1])
-local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
+local fence = tonumber(redis.call('GET', fence_key) or '0')
 if token < fence then
   return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is older than ' .. fence)
 end
-if token > fence then redis.call('SET', KEYS[4], ARGV[1]) end
+if token > fence then redis.call('SET', fence_key, ARGV[1]) end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -29,29 +32,25 @@ local horizon = now + tonumber(ARGV[6])
 
 -- expired claims go back to the bucket of "now", message and all (bucket first, as
 -- in nack.lua, so a failure on an undeclared key leaves the task in flight)
-local expired = redis.call('ZRANGE', KEYS[3], '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
-local bucket = math.floor(now / 1000 / width) * width
+local expired = redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
+local bucket = bucket_for(now, width)
 for _, id in ipairs(expired) do
-  local message = redis.call('HGET', KEYS[2], id)
-  if message then
-    redis.call('ZADD', ARGV[4] .. bucket, now, id)
-    redis.call('ZADD', KEYS[1], 'LT', now, bucket)
-    redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
-  end
-  redis.call('ZREM', KEYS[3], id)
+  local message = redis.call('HGET', msgs, id)
+  if message then put_in_bucket(index, msgs, prefix, bucket, id, now, message) end
+  redis.call('ZREM', inflight, id)
 end
 
 -- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)
 local deadline = now + tonumber(ARGV[3])
-local last = tonumber(redis.call('GET', KEYS[5]) or '0')
+local last = tonumber(redis.call('GET', stamp_key) or '0')
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
-redis.call('SET', KEYS[5], deadline)
+redis.call('SET', stamp_key, deadline)
 local out = {now, -1, deadline}
 local left = limit
-local buckets = redis.call('ZRANGE', KEYS[1], '-inf', horizon, 'BYSCORE', 'LIMIT', 0, limit)
+local buckets = redis.call('ZRANGE', index, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, limit)
 for _, b in ipairs(buckets) do
   if left <= 0 then break end
-  local key = ARGV[4] .. b
+  local key = prefix .. b
   local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
   if #due > 0 then
     -- one variadic call per step, not one per task (ARGV[2] <= 5000: within unpack's reach);
@@ -59,7 +58,7 @@ for _, b in ipairs(buckets) do
     local ids = {}
     for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
     redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
-    local messages = redis.call('HMGET', KEYS[2], unpack(ids))
+    local messages = redis.call('HMGET', msgs, unpack(ids))
     local claimed = {}
     for j, id in ipairs(ids) do
       if messages[j] then
@@ -67,18 +66,17 @@ for _, b in ipairs(buckets) do
         claimed[#claimed + 1] = id
         out[#out + 1] = id
         out[#out + 1] = due[2 * j]
-        out[#out + 1] = string.sub(messages[j], 5)
+        out[#out + 1] = envelope_of(messages[j])
       end
     end
     for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
-      redis.call('ZADD', KEYS[3], unpack(claimed, i, math.min(i + 1999, #claimed)))
+      redis.call('ZADD', inflight, unpack(claimed, i, math.min(i + 1999, #claimed)))
     end
     left = left - #ids
   end
-  local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  if rest[2] then redis.call('ZADD', KEYS[1], rest[2], b) else redis.call('ZREM', KEYS[1], b) end
+  refresh_bucket(index, key, b)
 end
 
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local head = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
 if head[2] then out[2] = tonumber(head[2]) end
 return out

@@ -11,18 +11,18 @@
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms,
 -- then pairs: task id, claim stamp
 -- Returns the number of tasks returned.
+--- @include _buckets
 local index, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
+local prefix, width, delay = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
-local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3])
-local bucket = math.floor(due / 1000 / tonumber(ARGV[2])) * tonumber(ARGV[2])
+local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + delay
+local bucket = bucket_for(due, width)
 local n = 0
 for i = 4, #ARGV, 2 do
   local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
   local message = redis.call('HGET', msgs, id)
   if message and tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
-    redis.call('ZADD', ARGV[1] .. bucket, due, id)
-    redis.call('ZADD', index, 'LT', due, bucket)
-    redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. string.sub(message, 5))
+    put_in_bucket(index, msgs, prefix, bucket, id, due, message)
     redis.call('ZREM', inflight, id)
     n = n + 1
   end

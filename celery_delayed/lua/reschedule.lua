@@ -8,26 +8,23 @@
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix   ARGV[3] bucket width s
 -- ARGV[4] task id   ARGV[5] new due ms
 -- Returns 1 when moved, 0 when unknown, -1 when in flight (store.Change).
-local id, due, width = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[3])
-local message = redis.call('HGET', KEYS[2], id)
+--- @include _buckets
+local index, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
+local channel, prefix, width, id, due = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local message = redis.call('HGET', msgs, id)
 if not message then return 0 end
-if redis.call('ZSCORE', KEYS[3], id) then return -1 end
-local old = struct.unpack('>I4', message)
-local key = ARGV[2] .. old
-local bucket = math.floor(due / 1000 / width) * width
+if redis.call('ZSCORE', inflight, id) then return -1 end
+local old, bucket = bucket_of(message), bucket_for(due, width)
 -- read both bucket keys before any write: on a Redis Cluster slot migration an
 -- undeclared key fails here, with nothing changed yet
-redis.call('EXISTS', key)
-redis.call('EXISTS', ARGV[2] .. bucket)
-redis.call('ZREM', key, id)
-local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-if rest[2] then redis.call('ZADD', KEYS[1], rest[2], old) else redis.call('ZREM', KEYS[1], old) end
+redis.call('EXISTS', prefix .. old)
+redis.call('EXISTS', prefix .. bucket)
+redis.call('ZREM', prefix .. old, id)
+refresh_bucket(index, prefix .. old, old)
 
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-redis.call('ZADD', ARGV[2] .. bucket, due, id)
-redis.call('ZADD', KEYS[1], 'LT', due, bucket)
-redis.call('HSET', KEYS[2], id, struct.pack('>I4', bucket) .. string.sub(message, 5))
+local head = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
+put_in_bucket(index, msgs, prefix, bucket, id, due, message)
 if head[2] == nil or due < tonumber(head[2]) then
-  redis.call('PUBLISH', ARGV[1], due)
+  redis.call('PUBLISH', channel, due)
 end
 return 1

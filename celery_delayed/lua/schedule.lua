@@ -25,6 +25,7 @@
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix
 -- then quads: task_id, due_ms, attempt, bucket start (4 bytes) + envelope (at most 256: unpack() has limits)
 -- Returns {added, replaced, kept}: new ids, ids whose stored copy was replaced, ids kept as stored.
+--- @include _buckets
 local index_key, msgs, inflight, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local channel, prefix = ARGV[1], ARGV[2]
 local ids = {}
@@ -48,7 +49,7 @@ for n, id in ipairs(ids) do
       if flying then
         superseded[#superseded + 1] = id
       else
-        moved[#moved + 1] = {id, struct.unpack('>I4', stored[n]), struct.unpack('>I4', message)}
+        moved[#moved + 1] = {id, bucket_of(stored[n]), bucket_of(message)}
       end
     else
       kept = kept + 1
@@ -60,7 +61,7 @@ for n, id in ipairs(ids) do
       numbered[#numbered + 1] = id
       numbered[#numbered + 1] = attempt
     end
-    local bucket = struct.unpack('>I4', message)
+    local bucket = bucket_of(message)
     local members = buckets[bucket]
     if members == nil then
       members = {}
@@ -96,8 +97,7 @@ for _, id in ipairs(superseded) do redis.call('ZREM', inflight, id) end
 for _, entry in ipairs(moved) do
   local id, old, new = entry[1], entry[2], entry[3]
   if old ~= new then redis.call('ZREM', prefix .. old, id) end
-  local rest = redis.call('ZRANGE', prefix .. old, 0, 0, 'WITHSCORES')
-  if rest[2] then redis.call('ZADD', index_key, rest[2], old) else redis.call('ZREM', index_key, old) end
+  refresh_bucket(index_key, prefix .. old, old)
 end
 if head[2] == nil or earliest < tonumber(head[2]) then
   redis.call('PUBLISH', channel, earliest)

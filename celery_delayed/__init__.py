@@ -27,8 +27,8 @@ from .store import DelayedStore, LayoutMismatch, StoreNotDurable, StoreUnavailab
 __version__ = "0.1.0"
 
 __all__ = ["install", "store_of", "apply_many", "ApplyManyError", "Settings", "ConfigurationError", "DelayedStore",
-           "StoreUnavailable", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight", "DelayedControl",
-           "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
+           "StoreUnavailable", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight",
+           "DelayedControl", "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
 
 
 def install(app: Celery) -> Celery:

@@ -10,6 +10,7 @@ broker messages of Celery's batched ``task.multi`` form (which Flower and
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator
@@ -36,14 +37,15 @@ class ApplyManyError(Exception):
     """:func:`apply_many` stopped at a signature it could not send, or at a failed store write.
 
     ``scheduled`` is how many of the signatures, in order, were sent and stored
-    before it.  The signatures were given their task ids first, so calling
-    :func:`apply_many` again with the same signatures sends each of them once
-    (an id already scheduled keeps its stored copy).
+    before it; ``unsent`` iterates over the others: copies already given their
+    task ids, then the signatures not yet read.  ``apply_many(error.unsent)``
+    sends each of them once (an id already scheduled keeps its stored copy).
     """
 
-    def __init__(self, message: str, scheduled: int) -> None:
+    def __init__(self, message: str, scheduled: int, unsent: Iterator[Signature]) -> None:
         super().__init__(message)
         self.scheduled = scheduled
+        self.unsent = unsent
 
 
 class Batch:
@@ -53,10 +55,13 @@ class Batch:
     ``event_dispatcher`` option), keeping each event until the chunk is stored.
     """
 
-    def __init__(self, app: Celery) -> None:
+    def __init__(self, app: Celery, sent: list[AsyncResult]) -> None:
         self.app = app
         self.items: list[tuple[str, int, bytes]] = []
         self.events: list[dict] = []
+        self.sent = sent  # the chunk's signatures sent so far
+        self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
+        self.bypassed = False  # a message of the signature being sent went around the batch
         self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
         self._publish_options: dict[str, Any] = {}
 
@@ -85,6 +90,13 @@ class Batch:
                                      serializer=dispatcher.serializer, headers=dispatcher.headers,
                                      delivery_mode=dispatcher.delivery_mode, **self._publish_options)
             self.events = []
+        self.durable = len(self.sent)
+
+    def bypass(self) -> None:
+        """A message goes around the batch (to the broker, or written alone): the batch is stored
+        first, so that what failed after it was never sent."""
+        self.flush()
+        self.bypassed = True
 
 
 def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, countdown: float | None = None,
@@ -98,8 +110,9 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     ``apply_async``.  ``progress`` gets the number sent so far after each chunk.
     ``after_task_publish`` fires when a signature joins its chunk; the chunk is
     stored (and its task-sent events sent) before the next one is built.
+    The signatures given are not changed: each is sent as a copy with its task id.
     Raises :class:`ApplyManyError` when a signature cannot be sent or a store
-    write fails for good; the signatures before it are scheduled.
+    write fails for good; the signatures before it are scheduled, the others not.
     """
     if eta is not None and countdown is not None:
         raise TypeError("apply_many takes eta or countdown, not both")
@@ -109,18 +122,30 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
         raise RuntimeError("celery_delayed.install(app) was not called on this app")
     results: list[AsyncResult] = []
     chunk: list[Signature] = []
-    for signature in signatures:
-        if type(signature) is Signature:  # its task id before anything is sent: a second call sends it once
-            signature.options.setdefault("task_id", uuid())  # (freeze() would also build a result to drop)
-        else:
-            signature.freeze()  # a canvas: ids for all its tasks
-        chunk.append(signature)
+    rest = iter(signatures)
+    for signature in rest:
+        chunk.append(_copy_with_id(signature, when))
         if len(chunk) >= CHUNK:
-            _send_chunk(app, chunk, when, results, progress)
+            _send_chunk(app, chunk, when, results, progress, rest)
             chunk = []
     if chunk:
-        _send_chunk(app, chunk, when, results, progress)
+        _send_chunk(app, chunk, when, results, progress, rest)
     return results
+
+
+def _copy_with_id(signature: Signature, when: dict) -> Signature:
+    """A copy of ``signature`` holding its task id(s) before anything is sent (so an
+    :class:`ApplyManyError`'s ``unsent`` sends it once), without the due time ``when`` overrides
+    (``apply_async`` would keep its own)."""
+    copy = signature.clone()
+    if when:
+        for name in _TIMES:
+            copy.options.pop(name, None)
+    if type(copy) is Signature:
+        copy.options.setdefault("task_id", uuid())  # (freeze() would also build a result to drop)
+    else:
+        copy.freeze()  # a canvas: ids for all its tasks
+    return copy
 
 
 @contextmanager
@@ -143,20 +168,21 @@ def _results_subscribed_on_get(app: Celery) -> Iterator[None]:
 
 
 def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[AsyncResult],
-                progress: Callable[[int], None] | None) -> None:
-    """Send one chunk's signatures into a :class:`Batch`, then write it; ``results`` grows by the chunk."""
-    batch = Batch(app)
+                progress: Callable[[int], None] | None, rest: Iterator[Signature]) -> None:
+    """Send one chunk's signatures into a :class:`Batch`, then write it; ``results`` grows by what
+    is stored.  A signature whose messages went around the batch is followed by a write, so every
+    signature before a failure is stored and none after it is sent."""
     sent: list[AsyncResult] = []
+    batch = Batch(app, sent)
     failed: Exception | None = None
     token = batching.set(batch)
     try:
         with app.producer_or_acquire() as producer, _results_subscribed_on_get(app):
             for signature in chunk:
-                if when and not _TIMES.isdisjoint(signature.options):  # apply_async would keep its own
-                    signature = signature.clone()
-                    for name in _TIMES:
-                        signature.options.pop(name, None)
                 sent.append(signature.apply_async(producer=producer, **when))
+                if batch.bypassed:
+                    batch.bypassed = False
+                    batch.flush()
     except Exception as exc:
         failed = exc
     finally:
@@ -164,11 +190,10 @@ def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[A
     try:
         batch.flush()  # the signatures sent before a failure are stored too
     except Exception as exc:
-        raise ApplyManyError(f"storing signatures {len(results) + 1}..{len(results) + len(sent)} failed: {exc}",
-                             scheduled=len(results)) from exc
-    results.extend(sent)
+        failed = failed or exc
+    results.extend(sent[:batch.durable])
     if failed is not None:
-        raise ApplyManyError(f"signature {len(results) + 1} ({chunk[len(sent)]!r}) could not be sent: {failed}",
-                             scheduled=len(results)) from failed
+        raise ApplyManyError(f"stopped at signature {len(results) + 1} ({chunk[batch.durable]!r}): {failed}",
+                             scheduled=len(results), unsent=itertools.chain(chunk[batch.durable:], rest)) from failed
     if progress:
         progress(len(results))

@@ -27,10 +27,10 @@ from kombu import Queue
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
-from .once import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing
+from .once import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing, is_revoked
 from .revoke import cancel_scheduled, record_revoked
 from .settings import RECORD_OVERHEAD, Settings
-from .store import DelayedStore, Stored, write_retrying
+from .store import Change, DelayedStore, Stored, write_retrying
 
 #: Longest replace-by-key key (characters).
 MAX_KEY_LENGTH = 512
@@ -65,10 +65,11 @@ class DelayedAMQP(AMQP):
             due_ms = self.due_ms(message.headers)
             if due_ms is None or (due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000
                                   and KEY_HEADER not in (options.get("headers") or {})):  # a keyed one meets its key
+                if batch := self._batch():
+                    batch.bypass()  # what is batched is stored before this goes out
                 return send(producer, name, message, **options)
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
-            batch = batching.get()
-            if batch is not None and batch.app is self.app:  # the task-sent event waits for the batch's write
+            if batch := self._batch():  # the task-sent event waits for the batch's write
                 options["event_dispatcher"] = batch
             sent = send(store_producer, name, message, **options)
             if store_producer.expired:
@@ -77,6 +78,11 @@ class DelayedAMQP(AMQP):
             return sent
 
         return send_task_message
+
+    def _batch(self) -> Batch | None:
+        """The :func:`.bulk.apply_many` batch of this app running in this context, if any."""
+        batch = batching.get()
+        return batch if batch is not None and batch.app is self.app else None
 
     def due_ms(self, headers: dict) -> int | None:
         """The message's ETA in ms since the epoch, read as a stock worker reads it."""
@@ -202,10 +208,12 @@ class _StoreProducer:
         own_retry = _is_own_retry(envelope)
         attempt = attempt_of(envelope.headers)
         keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
-        batch = batching.get()
-        if batch is not None and batch.app is self._amqp.app and not own_retry and not attempt and not keyed:
-            batch.items.append((envelope.task_id, self._due_ms, stored))
-            return
+        batch = self._amqp._batch()
+        if batch is not None:
+            if not own_retry and not attempt and not keyed:
+                batch.items.append((envelope.task_id, self._due_ms, stored))
+                return
+            batch.bypass()  # what is batched is stored before this
         store = self._amqp.delayed_store
 
         def retrying(write: Any, *args: Any, **kwargs: Any) -> Any:
@@ -213,11 +221,26 @@ class _StoreProducer:
                                   failed=f"task {envelope.task_name} [{envelope.task_id}]: store write failed",
                                   policy=policy if retry or own_retry else {"max_retries": 0}, forever=own_retry)
 
-        if keyed and keyed[1] == "keep" and not self._took_key(keyed[0], envelope, retrying):
+        if keyed and retrying(is_revoked, store, envelope.task_id):  # e.g. replaced, then sent again
+            logger.info("task %s [%s] was revoked: not scheduled again under key %r", envelope.task_name,
+                        envelope.task_id, keyed[0])
+            record_revoked(self._amqp.app, envelope.task_id, envelope, "revoked")
+            return
+        holder = retrying(store.key_holder, keyed[0]) if keyed and keyed[1] == "keep" else None
+        if holder not in (None, envelope.task_id) and retrying(store.get, holder) is not None:
+            self._refuse(keyed[0], holder, envelope)
             return
         if retrying(store.schedule, envelope.task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, envelope.task_id)
+        if keyed and keyed[1] == "keep":  # stored first, then the key if nobody took it meanwhile
+            taken, holder = retrying(store.hold_key, keyed[0], envelope.task_id, holder)
+            if not taken and holder != envelope.task_id:
+                if cancel_scheduled(self._amqp.app, [envelope.task_id], "duplicate key")[envelope.task_id] \
+                        is not Change.DONE:  # already dispatched: recorded revoked, so never run
+                    record_revoked(self._amqp.app, envelope.task_id, envelope, "duplicate key")
+                logger.info("task %s [%s] not scheduled: %s took key %r first (delayed_key_mode=keep)",
+                            envelope.task_name, envelope.task_id, holder, keyed[0])
         if keyed and keyed[1] == "replace":  # stored first: a crash now leaves the old one holding the key
             previous = retrying(store.hold_key, keyed[0], envelope.task_id, replace=True)[1]
             if previous not in (None, envelope.task_id):
@@ -225,23 +248,12 @@ class _StoreProducer:
                             previous, keyed[0])
                 cancel_scheduled(self._amqp.app, [previous], reason="replaced")
 
-    def _took_key(self, key: str, envelope: Envelope, retrying: Any) -> bool:
-        """``delayed_key_mode="keep"``: take ``key`` unless another task is scheduled under it.
-
-        The key is taken before the task is stored, so a crash between the two
-        leaves a holder the store no longer has, which the next task replaces.
-        A task refused is recorded REVOKED (``duplicate key``): it never runs.
-        """
-        store, task_id = self._amqp.delayed_store, envelope.task_id
-        holder = retrying(store.key_holder, key)
-        if holder in (None, task_id) or retrying(store.get, holder) is None:
-            taken, holder = retrying(store.hold_key, key, task_id, holder)
-            if taken:
-                return True
+    def _refuse(self, key: str, holder: str, envelope: Envelope) -> None:
+        """``delayed_key_mode="keep"`` while ``holder`` is scheduled under ``key``: the task is not
+        stored, and is recorded REVOKED (``duplicate key``), so it never runs."""
         logger.info("task %s [%s] not scheduled: %s is scheduled under key %r (delayed_key_mode=keep)",
-                    envelope.task_name, task_id, holder, key)
-        record_revoked(self._amqp.app, task_id, envelope, "duplicate key")
-        return False
+                    envelope.task_name, envelope.task_id, holder, key)
+        record_revoked(self._amqp.app, envelope.task_id, envelope, "duplicate key")
 
 
 def key_of(headers: dict) -> tuple[str, str] | None:
@@ -256,8 +268,8 @@ def key_of(headers: dict) -> tuple[str, str] | None:
     if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_LENGTH:
         raise DelayedPublishError(f"the {KEY_HEADER} header must be a string of 1 to {MAX_KEY_LENGTH} characters, "
                                   f"got {key!r:.80}")
-    mode = headers.get(KEY_MODE_HEADER) or "replace"
-    if mode not in KEY_MODES:
+    mode = headers.get(KEY_MODE_HEADER, "replace")
+    if not isinstance(mode, str) or mode not in KEY_MODES:
         raise DelayedPublishError(f"the {KEY_MODE_HEADER} header must be one of {', '.join(KEY_MODES)}, got {mode!r}")
     return key, mode
 

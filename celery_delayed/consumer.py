@@ -34,7 +34,7 @@ from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import FROM_KAFKA, KEY_HEADER, Refused, RunClaims, attempt_of, finished
+from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Refused, RunClaims, attempt_of, finished
 from .revoke import record_revoked
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, iso_of
@@ -366,8 +366,9 @@ class KafkaFeed:
         if meta := finished(self.c.app.backend, task_id):
             self._skip_finished(task_id, record, partition, meta)
             return
-        key = headers.get(KEY_HEADER)
-        if isinstance(key, str) and (holder := self.store.key_holder(key)) not in (None, task_id):
+        key = headers.get(KEY_HEADER)  # a replaced task must not run (keep mode replaces none)
+        if (isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace"
+                and (holder := self.store.key_holder(key)) not in (None, task_id)):
             logger.info("task %s was replaced by %s under key %r: recorded as REVOKED, not run", task_id, holder, key)
             record_revoked(self.c.app, task_id, envelope, reason="replaced")
             metrics.SKIPPED_REVOKED.inc()

@@ -175,6 +175,13 @@ def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
     store.execute(pipe)
 
 
+def is_revoked(store: DelayedStore, task_id: str) -> bool:
+    """Whether the id was revoked within ``delayed_revoke_days`` (:func:`remember_revoked`)."""
+    pipe = store.redis.pipeline(transaction=False)
+    pipe.exists(task_key(store.settings.key_prefix, "revoked", task_id))
+    return bool(store.execute(pipe)[0])
+
+
 def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
     """Drop the ``done`` and ``revoked`` records of ``task_ids``, which are deliberately run again."""
     pipe = store.redis.pipeline(transaction=False)

@@ -133,30 +133,42 @@ def test_bulk_scheduled_tasks_run_once_and_are_seen_sent(overrides, processes, m
     assert all(events.etas[task_id] for task_id in ids)
 
 
-def test_a_failure_part_way_stores_the_ones_before_and_the_same_list_can_be_sent_again(overrides, monkeypatch):
+def test_a_failure_part_way_stores_the_ones_before_and_the_rest_can_be_sent_once(overrides, monkeypatch):
     monkeypatch.setattr(bulk, "CHUNK", 4)
     app = create_app(**overrides)
     add = app.tasks["tasks.demo.add"]
     signatures = [add.s(i, i) for i in range(10)]
     signatures[6] = add.s(6, 6).set(queue="not a topic!")  # a space: no Kafka topic can carry it
-    with pytest.raises(ApplyManyError, match=r"signature 7 .*not a topic") as failed:
-        apply_many(signatures, countdown=600, app=app)
+    with pytest.raises(ApplyManyError, match=r"stopped at signature 7 .*not a topic") as failed:
+        apply_many(iter(signatures), countdown=600, app=app)
     assert failed.value.scheduled == 6 and isinstance(failed.value.__cause__, DelayedPublishError)
     assert scheduled_count(app) == 6
+    assert all("task_id" not in s.options for s in signatures)  # the caller's signatures are not changed
 
-    del signatures[6]
-    results = apply_many(signatures, countdown=600, app=app)
-    assert scheduled_count(app) == 9  # the six already scheduled were kept, not doubled
-    assert [r.id for r in results] == [s.options["task_id"] for s in signatures]
+    unsent = list(failed.value.unsent)
+    assert [s.args for s in unsent] == [(6, 6), (7, 7), (8, 8), (9, 9)]
+    first = apply_many(unsent[1:2], countdown=600, app=app)
+    results = apply_many(unsent[1:], countdown=600, app=app)  # the one just sent is kept, not doubled
+    assert scheduled_count(app) == 9 and results[0].id == first[0].id
+
+
+def test_the_same_signature_twice_is_two_tasks_as_with_apply_async(overrides):
+    app = create_app(**overrides)
+    signature = app.tasks["tasks.demo.add"].s(1, 1)
+    results = apply_many([signature, signature, signature], countdown=600, app=app)
+    assert len({r.id for r in results}) == 3 and scheduled_count(app) == 3
 
 
 def test_a_store_that_is_down_is_reported_with_nothing_sent(overrides):
     with socket_nobody_listens_on() as port:
         app = create_app(**{**overrides, "delayed_redis_url": f"redis://127.0.0.1:{port}/0",
                             "delayed_redis_cluster": False, "task_publish_retry": False})
-        with pytest.raises(ApplyManyError, match="storing signatures 1..3 failed") as failed:
-            apply_many([app.tasks["tasks.demo.add"].s(1, 1) for _ in range(3)], countdown=600, app=app)
+        add = app.tasks["tasks.demo.add"]
+        # the second goes to the broker, but only once what is batched before it is stored
+        with pytest.raises(ApplyManyError, match="stopped at signature 1 ") as failed:
+            apply_many([add.s(1, 1).set(countdown=600), add.s(2, 2), add.s(3, 3).set(countdown=600)], app=app)
     assert failed.value.scheduled == 0 and isinstance(failed.value.__cause__, StoreUnavailable)
+    assert redis.Redis.from_url(app.conf.broker_url).llen(overrides["task_default_queue"]) == 0
 
 
 @contextlib.contextmanager

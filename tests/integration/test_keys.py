@@ -2,7 +2,9 @@
 one never runs, through retries, a crash between the store's two steps, and the CLI."""
 from __future__ import annotations
 
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from celery import Celery, states
@@ -43,6 +45,8 @@ def test_a_new_task_replaces_the_one_scheduled_under_its_key(overrides):
     assert scheduled_ids(app, first.id, second.id, other.id) == [second.id, other.id]
     assert store_of(app).key_holder(key) == second.id
     assert revoked_because(app, first.id) == "replaced"
+    work.apply_async(("r",), countdown=600, task_id=first.id, **keyed(key))  # sent again: still replaced
+    assert scheduled_ids(app, first.id, second.id) == [second.id] and store_of(app).key_holder(key) == second.id
 
 
 def test_keep_mode_keeps_the_first_and_drops_the_new_one(overrides):
@@ -57,6 +61,23 @@ def test_keep_mode_keeps_the_first_and_drops_the_new_one(overrides):
     assert scheduled_ids(app, third.id) == [third.id] and store_of(app).key_holder(key) == third.id
 
 
+def test_keep_mode_racing_senders_leave_one_scheduled(overrides):
+    app = create_app(**overrides)
+    work = app.tasks["tasks.demo.work"]
+    for round_ in range(8):
+        key, start = f"race:{uuid.uuid4().hex}", threading.Barrier(6)
+
+        def send() -> str:
+            start.wait()
+            return work.apply_async(("r",), countdown=600, **keyed(key, "keep")).id
+
+        with ThreadPoolExecutor(6) as pool:
+            ids = list(pool.map(lambda _: send(), range(6)))
+        kept = scheduled_ids(app, *ids)
+        assert len(kept) == 1 and store_of(app).key_holder(key) == kept[0], round_
+        assert [revoked_because(app, i) for i in ids if i not in kept] == ["duplicate key"] * 5
+
+
 def test_a_bad_key_or_mode_is_refused_with_nothing_stored(overrides):
     app = create_app(**overrides)
     work = app.tasks["tasks.demo.work"]
@@ -64,6 +85,8 @@ def test_a_bad_key_or_mode_is_refused_with_nothing_stored(overrides):
         work.apply_async(("r",), countdown=60, headers={KEY_HEADER: ""})
     with pytest.raises(DelayedPublishError, match="delayed_key_mode header must be one of replace, keep, got 'x'"):
         work.apply_async(("r",), countdown=60, **keyed("k", "x"))
+    with pytest.raises(DelayedPublishError, match="delayed_key_mode header must be one of replace, keep, got False"):
+        work.apply_async(("r",), countdown=60, headers={KEY_HEADER: "k", KEY_MODE_HEADER: False})
     assert sum(p["scheduled"] for p in store_of(app).counts()) == 0
 
 
@@ -93,6 +116,19 @@ def test_only_the_last_runs_even_after_a_crash_between_the_two_steps_and_through
     assert revoked_because(app, old.id) == "replaced" and revoked_because(app, retried.id) == "replaced"
     assert runs(app, run) == {new_id: 1, retried.id: 1, replacement.id: 1}
     wait_for(lambda: store.key_holder(f"{run}:retry") is None, 30, "the key released once its task ended")
+
+
+def test_keep_mode_runs_a_dispatched_task_and_the_next_one_under_its_key(overrides, processes):
+    app = create_app(**overrides)
+    store, work, run = store_of(app), app.tasks["tasks.demo.work"], uuid.uuid4().hex
+    first = work.apply_async((run,), countdown=1, **keyed(f"{run}:k", "keep"))
+    processes.poller()
+    wait_for(lambda: store.get(first.id) is None, 60, "the first task to be dispatched (no worker yet)")
+    second = work.apply_async((run,), countdown=2, **keyed(f"{run}:k", "keep"))
+    assert store.key_holder(f"{run}:k") == second.id
+    processes.worker("w1")
+    assert [first.get(timeout=60), second.get(timeout=60)] == [first.id, second.id]
+    assert runs(app, run) == {first.id: 1, second.id: 1}
 
 
 def test_show_and_cancel_by_key(overrides):

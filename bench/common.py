@@ -22,9 +22,8 @@ from confluent_kafka.admin import AdminClient
 from celery_delayed.leadership import make_etcd
 from celery_delayed.redis_client import connect
 from celery_delayed.settings import Settings
-from tests.integration.support import environment
+from tasks.processes import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -39,51 +38,6 @@ def settings_of(overrides: dict[str, Any]) -> Settings:
     """The celery-delayed settings a poller started with ``overrides`` reads (local defaults otherwise)."""
     return Settings.from_mapping({k[len("delayed_"):]: v for k, v in overrides.items()
                                   if k.startswith("delayed_")})
-
-
-class Processes:
-    """OS processes started by a benchmark; :meth:`stop_all` stops each by PID (TERM, then KILL)."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def poller(self, overrides: dict[str, Any], name: str) -> subprocess.Popen:
-        """Start ``python -m celery -A tasks delayed poller`` with its output in ``<logdir>/<name>.log``."""
-        log = self.logdir / f"{name}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "delayed", "poller", "-l", "INFO"],
-                                cwd=ROOT, env=environment(overrides), stdout=log.open("wb"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((proc, log))
-        return proc
-
-    def check_alive(self) -> None:
-        """Fail with the log tail of any started process that exited."""
-        for proc, log in self.procs:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"process {proc.pid} exited with {proc.returncode}; log {log}:\n{tail}")
-
-    def stop_all(self, timeout: float = 20.0) -> None:
-        """SIGTERM every live process (its own process group, by PID), SIGKILL after ``timeout``."""
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                _signal(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc, _ in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.procs.clear()
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the process leads its own session: its group id is its pid
-    except ProcessLookupError:
-        pass
 
 
 # -- what ran ------------------------------------------------------------------

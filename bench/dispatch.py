@@ -42,8 +42,9 @@ from celery_delayed.kafka import ensure_topics
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, partition_of
+from tasks.processes import Processes
 
-from .common import (RESULTS, CpuMeter, PingProbe, Processes, RedisMeter, cpu_hog, exclusive,
+from .common import (RESULTS, CpuMeter, PingProbe, RedisMeter, cpu_hog, exclusive,
                      high_watermark, make_consumer, new_overrides, plot_lags, profile_top, service_pids, settings_of,
                      start_py_spy, stop_py_spy, summary, topic_partitions)
 
@@ -184,7 +185,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         calls.start()
         ping.start()
         t0 = time.time()
-        started = [procs.poller(overrides, f"throughput-{pollers}p-{k}") for k in range(pollers)]
+        started = [procs.poller(f"throughput-{pollers}p-{k}", overrides) for k in range(pollers)]
         for k, proc in enumerate(started):
             meter.add(f"poller-{k}", proc.pid)
         if py_spy:
@@ -335,7 +336,7 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
     try:
         ensure_topics(settings, [queue])
         assign_from_start(consumer, topic, topic_partitions(settings, topic))
-        poller = procs.poller(overrides, f"lag-{rate}")
+        poller = procs.poller(f"lag-{rate}", overrides)
         warm_s = warm_up(settings, template, queue, consumer, procs)
         if py_spy:
             spy = start_py_spy(poller.pid, spy_file)

@@ -39,7 +39,7 @@ from rich.table import Table
 from bench.common import RESULTS, cpu_hog, exclusive, new_overrides, plot_lags, settings_of, summary, versions
 from celery_delayed.sandbox import remove_everything
 from tasks import create_app
-from tests.integration.support import Processes, wait_for
+from tasks.processes import Processes, wait_for
 
 console = Console()
 

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -14,7 +13,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 from confluent_kafka import Consumer
@@ -24,8 +23,13 @@ from celery_delayed.kafka import ensure_topics
 from celery_delayed.leadership import make_etcd
 from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
+from tasks.processes import ROOT, Processes, environment, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+#: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
+__all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "Starver",
+           "TopicReader", "envelopes", "environment", "etcd3_leader", "etcd3_port", "etcd3_status", "kill9",
+           "leaders", "run_briefly", "wait_for"]
+
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
 
 #: The 3-member etcd cluster of ``scripts/services up etcd3`` (member N on CD_ETCD3_PORT + 2(N-1), as there).
@@ -76,66 +80,6 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
-
-
-def environment(overrides: dict) -> dict:
-    """The same settings for a subprocess, through config.celeryconfig's environment mapping."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for key, value in overrides.items():
-        name = key.upper() if key.startswith("delayed_") else "CELERY_" + key.upper()
-        env[name] = str(value)
-    return env
-
-
-class Processes:
-    """Real OS processes a test starts; all are stopped (by PID) at teardown."""
-
-    def __init__(self, logdir: Path, overrides: dict) -> None:
-        self.logdir = logdir
-        self.overrides = overrides
-        self.procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        log = self.logdir / f"{name}-{len(self.procs)}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT,
-                                env={**environment(self.overrides), **(env or {})}, stdout=log.open("wb"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((proc, log))
-        return proc
-
-    def poller(self) -> subprocess.Popen:
-        return self.start("poller", "delayed", "poller", "-l", "INFO")
-
-    def worker(self, name: str = "w1", *args: str, env: dict | None = None) -> subprocess.Popen:
-        queue = self.overrides["task_default_queue"]
-        return self.start(f"worker-{name}", "worker", "-l", "INFO", "-n", f"{name}@%h", "-Q", queue,
-                          "--without-heartbeat", "--without-mingle", "--without-gossip", *args, env=env)
-
-    def log(self, proc: subprocess.Popen) -> str:
-        return next(log for p, log in self.procs if p is proc).read_text(errors="replace")
-
-    def stop_all(self) -> None:
-        for proc, _ in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc, _ in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``check`` until it returns a truthy value; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def run_briefly(poller: Poller, timeout: float = 30.0) -> BaseException | None:

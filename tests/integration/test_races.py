@@ -73,10 +73,13 @@ def test_a_retry_written_before_the_pollers_ack_of_its_first_copy_runs(overrides
     app = create_app(**overrides)
     store = store_of(app)
     run = uuid.uuid4().hex
-    result = app.tasks["tasks.demo.flaky"].apply_async((run, 1, 2.0), countdown=1.1)
+    # well over delayed_min_delay (1 s): a client slowed down between building the message and
+    # routing it must still find it due later than that, and store it
+    result = app.tasks["tasks.demo.flaky"].apply_async((run, 1, 2.0), countdown=1.5)
+    assert store.get(result.id) is not None
     p = store.partition(result.id)
-    time.sleep(1.2)  # due
-    claim = store.claim(p, token=1, limit=10)
+    claim = wait_for(lambda: (lambda c: c if c.items else None)(store.claim(p, token=1, limit=10)), 30,
+                     "the task to be due")
     assert [item[0] for item in claim.items] == [result.id]
     producer, topic = kafka_queue(app)
     producer.produce(topic, key=result.id, value=claim.items[0][2])

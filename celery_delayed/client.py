@@ -208,45 +208,44 @@ class _StoreProducer:
         own_retry = _is_own_retry(envelope)
         attempt = attempt_of(envelope.headers)
         keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
+        key, mode = keyed or (None, None)
         batch = self._amqp._batch()
         if batch is not None:
-            if not own_retry and not attempt and not keyed:
+            if not own_retry and not attempt and not key:
                 batch.items.append((envelope.task_id, self._due_ms, stored))
                 return
             batch.bypass()  # what is batched is stored before this
-        store = self._amqp.delayed_store
+        store, app, task_id = self._amqp.delayed_store, self._amqp.app, envelope.task_id
 
         def retrying(write: Any, *args: Any, **kwargs: Any) -> Any:
             return write_retrying(write, args, kwargs,
-                                  failed=f"task {envelope.task_name} [{envelope.task_id}]: store write failed",
+                                  failed=f"task {envelope.task_name} [{task_id}]: store write failed",
                                   policy=policy if retry or own_retry else {"max_retries": 0}, forever=own_retry)
 
-        if keyed and retrying(is_revoked, store, envelope.task_id):  # e.g. replaced, then sent again
-            logger.info("task %s [%s] was revoked: not scheduled again under key %r", envelope.task_name,
-                        envelope.task_id, keyed[0])
-            record_revoked(self._amqp.app, envelope.task_id, envelope, "revoked")
+        if key and retrying(is_revoked, store, task_id):  # e.g. replaced, then sent again
+            logger.info("task %s [%s] was revoked: not scheduled again under key %r", envelope.task_name, task_id,
+                        key)
+            record_revoked(app, task_id, envelope, "revoked")
             return
-        holder = retrying(store.key_holder, keyed[0]) if keyed and keyed[1] == "keep" else None
-        if holder not in (None, envelope.task_id) and retrying(store.get, holder) is not None:
-            self._refuse(keyed[0], holder, envelope)
+        holder = retrying(store.key_holder, key) if mode == "keep" else None
+        if holder not in (None, task_id) and retrying(store.get, holder) is not None:
+            self._refuse(key, holder, envelope)
             return
-        if retrying(store.schedule, envelope.task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
+        if retrying(store.schedule, task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
-                           envelope.task_name, envelope.task_id)
-        if keyed and keyed[1] == "keep":  # stored first, then the key if nobody took it meanwhile
-            taken, holder = retrying(store.hold_key, keyed[0], envelope.task_id, holder)
-            if not taken and holder != envelope.task_id:
-                if cancel_scheduled(self._amqp.app, [envelope.task_id], "duplicate key")[envelope.task_id] \
-                        is not Change.DONE:  # already dispatched: recorded revoked, so never run
-                    record_revoked(self._amqp.app, envelope.task_id, envelope, "duplicate key")
+                           envelope.task_name, task_id)
+        if mode == "keep":  # stored first, then the key if nobody took it meanwhile
+            taken, holder = retrying(store.hold_key, key, task_id, holder)
+            if not taken and holder != task_id:
+                if cancel_scheduled(app, [task_id], "duplicate key")[task_id] is not Change.DONE:
+                    record_revoked(app, task_id, envelope, "duplicate key")  # dispatched: revoked, never run
                 logger.info("task %s [%s] not scheduled: %s took key %r first (delayed_key_mode=keep)",
-                            envelope.task_name, envelope.task_id, holder, keyed[0])
-        if keyed and keyed[1] == "replace":  # stored first: a crash now leaves the old one holding the key
-            previous = retrying(store.hold_key, keyed[0], envelope.task_id, replace=True)[1]
-            if previous not in (None, envelope.task_id):
-                logger.info("task %s [%s] replaces %s under key %r", envelope.task_name, envelope.task_id,
-                            previous, keyed[0])
-                cancel_scheduled(self._amqp.app, [previous], reason="replaced")
+                            envelope.task_name, task_id, holder, key)
+        elif mode == "replace":  # stored first: a crash now leaves the old one holding the key
+            previous = retrying(store.hold_key, key, task_id, replace=True)[1]
+            if previous not in (None, task_id):
+                logger.info("task %s [%s] replaces %s under key %r", envelope.task_name, task_id, previous, key)
+                cancel_scheduled(app, [previous], reason="replaced")
 
     def _refuse(self, key: str, holder: str, envelope: Envelope) -> None:
         """``delayed_key_mode="keep"`` while ``holder`` is scheduled under ``key``: the task is not

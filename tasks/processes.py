@@ -89,12 +89,14 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll ``check`` until it returns a truthy value (returned); fail naming ``what`` after ``timeout`` s."""
+def wait_for(check: Callable[[], object], timeout: float, what: str | Callable[[], str],
+             interval: float = 0.1) -> Any:
+    """Poll ``check`` until it returns a truthy value (returned); fail naming ``what`` after ``timeout``
+    s (a callable ``what`` is called then, to describe the state the wait ended in)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")

@@ -93,7 +93,14 @@ def processes(overrides, tmp_path, request):
     procs.stop_all()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         for proc, log in procs.procs:
-            print(f"----- {log.name} -----\n{log.read_text(errors='replace')[-4000:]}")
+            print(f"----- {log.name} -----\n{_head_and_tail(log.read_text(errors='replace'))}")
+
+
+def _head_and_tail(text: str, each: int = 4000) -> str:
+    """A log's start (how the process came up) and end (how it ended), for a failed test's report."""
+    if len(text) <= 2 * each:
+        return text
+    return f"{text[:each]}\n[... {len(text) - 2 * each} characters left out ...]\n{text[-each:]}"
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -167,7 +167,10 @@ def test_a_task_that_ran_but_could_not_store_its_result_is_not_dead_lettered(ove
     queue, from where a requeue would run it again; it is not run again either."""
     app, run, results = blinking_backend_run(overrides, processes, 3)
     worker = processes.worker("w1", "-c", "2", env=blinks)
-    wait_for(lambda: len(runs(app, run)) == len(results), 60, "every task to run")
+    # Two waits, so a failure says which hop stalled (CI once timed out here, not reproduced since).
+    wait_for(lambda: "assigned Kafka partitions" in processes.log(worker), 90, "the worker to join its Kafka group")
+    wait_for(lambda: len(runs(app, run)) == len(results), 60,
+             lambda: f"every task to run: ran {runs(app, run)}, states {[(r.id, r.state) for r in results]}")
     time.sleep(3)  # a dead letter would be written by now (the handler runs right after the failure)
     assert DeadLetters(store_of(app)).count() == 0, "a task that ran was parked in the dead-letter queue"
     assert runs(app, run) == {r.id: 1 for r in results}

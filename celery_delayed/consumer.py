@@ -1,11 +1,14 @@
 """Worker side: a consumer bootstep that feeds Kafka records to stock Celery.
 
-A background thread reads the ready topics of the worker's queues and hands
-records to the worker's event loop (a pipe it watches), where each becomes a
-kombu message given to Celery's own task strategy: events, time limits,
-``acks_late``, revoke and results behave as for broker messages.  A record's
-offset is settled when Celery acks or rejects the request, and only the
-contiguous settled prefix of each partition is committed (see :mod:`.offsets`).
+A background thread reads the ready topics of the worker's queues, decodes
+each batch of records and decides which may run (:class:`.once.Admission`: run
+claims and result-backend states, two round trips a batch), then hands them to
+the worker's event loop (a pipe it watches).  There each becomes a kombu
+message given to Celery's own task strategy: events, time limits,
+``acks_late``, revoke and results behave as for broker messages.  The loop
+itself makes no Redis round trip for a task that runs.  A record's offset is
+settled when Celery acks or rejects the request, and only the contiguous
+settled prefix of each partition is committed (see :mod:`.offsets`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import traceback
 import uuid
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from celery import bootsteps, signals, states
@@ -34,7 +38,7 @@ from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
 from .offsets import OffsetTracker, PartitionOffsets
-from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Refused, RunClaims, attempt_of, finished
+from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admission, Admit, Copy, RunClaims, Verdict, attempt_of
 from .revoke import record_revoked
 from .settings import Settings
 from .store import STORE_ERRORS, DelayedStore, iso_of
@@ -62,6 +66,8 @@ TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionErr
 CONSUMER_DEFAULTS = {"session.timeout.ms": 10_000}
 #: Longest a stopped feed keeps committing for tasks still in hand (s).
 DRAIN_TIMEOUT = 60.0
+#: Seconds between two tries of an admission that failed (the store or result backend down).
+ADMISSION_RETRY = 1.0
 
 #: Feeds whose thread still runs, closed for good on ``worker_shutdown``.
 _feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
@@ -123,8 +129,11 @@ class KafkaFeed:
         self.queues = sorted(amqp.queues.consume_from)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.offsets = OffsetTracker()
-        self._ready: deque = deque()
+        self._ready: deque[_Arrival] = deque()  # admitted, waiting for the loop
         self._ready_lock = threading.Lock()
+        self._unadmitted: list[_Arrival] = []  # read, waiting for a failed admission's next try
+        self._admission: Admission | None = None
+        self._admit_at = 0.0
         self._scheduled = False
         self._running = threading.Event()
         self._reading = threading.Event()
@@ -192,6 +201,7 @@ class KafkaFeed:
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
+        self._drop_ready()
         if self._wakeup is not None:  # None: start() failed before the loop was watched
             self._wakeup.unwatch()
 
@@ -217,11 +227,14 @@ class KafkaFeed:
                     else:
                         self._pause_long_backlogs(consumer)
                         room = self._max_unsettled() - self.offsets.unsettled()
-                        if room > 0:
+                        if self._unadmitted and time.monotonic() >= self._admit_at:
+                            self._admit()
+                        elif room > 0 and not self._unadmitted:
                             full_since = None
                             self._read(consumer, room)
                         else:
                             full_since = self._wait_for_room(consumer, full_since or time.monotonic())
+                    self.claims.flush()
                     if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                         self._commit(self.offsets.committable())
                         last_commit = time.monotonic()
@@ -231,6 +244,10 @@ class KafkaFeed:
         finally:
             self._commit(self.offsets.committable())
             consumer.close()
+            if self._admission is not None:  # read again by the next consumer
+                self._admission.abandon(self.claims)
+            self._drop_ready()
+            self.claims.flush()
             self._wakeup.close()
             _feeds.discard(self)
 
@@ -277,16 +294,52 @@ class KafkaFeed:
             return
         records = [first, *(consumer.consume(num_messages=min(room, 500) - 1, timeout=0) if room > 1 else ())]
         read_ms = int(time.time() * 1000)
-        accepted = []
         for record in records:
             if record.error():
                 logger.warning("Kafka consumer error: %s", record.error())
                 continue
             partition = self.offsets.add((record.topic(), record.partition()), record.offset())
             if partition is not None:  # None: revoked meanwhile, the new owner reads it
-                accepted.append((record, partition, read_ms))
-        if accepted:
-            self._hand_over(accepted)
+                self._unadmitted.append(self._examine(_Arrival(record, partition, read_ms)))
+        if self._unadmitted:
+            self._admit()
+
+    def _examine(self, arrival: _Arrival) -> _Arrival:
+        """Decode a record and find its task's strategy; what can never run is marked for the
+        dead-letter queue (``problem``)."""
+        try:
+            arrival.envelope = Envelope.decode(arrival.record.value())
+        except Exception as exc:  # any decoder failure (RecursionError too) is the message's
+            arrival.problem, arrival.trace = f"undecodable message: {exc!r}", traceback.format_exc()
+            return arrival
+        arrival.headers = dict(arrival.envelope.headers)
+        name = arrival.headers.get("task")
+        arrival.strategy = self.c.strategies.get(name) if isinstance(name, str) else None
+        if arrival.strategy is None:
+            arrival.problem = f"unknown task {name!r}"
+        return arrival
+
+    def _admit(self) -> None:
+        """Decide which of the records read may run (:class:`.once.Admission`), then hand them all
+        to the loop.  While the store or the result backend fails, the same records are tried
+        again every :data:`ADMISSION_RETRY` s (nothing more is read meanwhile), keeping the
+        claims already taken."""
+        arrivals = self._unadmitted
+        runnable = [a for a in arrivals if a.problem is None]
+        if self._admission is None:
+            self._admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), _replace_key(a.headers))
+                                         for a in runnable])
+        try:
+            verdicts = self._admission.decide(self.claims, self.c.app.backend, self.store.key_holder)
+        except TRANSIENT_ERRORS as exc:
+            logger.warning("cannot tell yet whether %d tasks may run (%r); trying again in %.0f s",
+                           len(runnable), exc, ADMISSION_RETRY)
+            self._admit_at = time.monotonic() + ADMISSION_RETRY
+            return
+        for arrival, verdict in zip(runnable, verdicts):
+            arrival.verdict = verdict
+        self._unadmitted, self._admission = [], None
+        self._hand_over(arrivals)
 
     def _max_unsettled(self) -> int:
         qos = getattr(self.c, "qos", None)
@@ -312,13 +365,25 @@ class KafkaFeed:
         self._commit(self.offsets.revoke(keys))
 
     # -- event loop ------------------------------------------------------------
-    def _hand_over(self, accepted: list) -> None:
+    def _hand_over(self, arrivals: list[_Arrival]) -> None:
         with self._ready_lock:
-            self._ready.extend(accepted)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        self._wakeup.wake()
+            self._ready.extend(arrivals)
+            scheduled, self._scheduled = self._scheduled, True
+        if not self._reading.is_set():  # stopped meanwhile: the loop no longer drains
+            self._drop_ready()
+        elif not scheduled:
+            self._wakeup.wake()
+
+    def _drop_ready(self) -> None:
+        """Drop the records not handed to Celery yet (a stopped feed's: the next consumer reads
+        them again), giving up the run claims taken for them."""
+        with self._ready_lock:
+            dropped = list(self._ready)
+            self._ready.clear()
+            self._scheduled = False
+        for arrival in dropped:
+            if arrival.verdict is not None and arrival.verdict.admit is Admit.RUN:
+                self.claims.release(arrival.envelope.task_id)
 
     def _drain(self) -> None:
         """On the loop thread: give every waiting record to Celery, in order.
@@ -329,84 +394,61 @@ class KafkaFeed:
         goes to the dead-letter queue (in :meth:`_dispatch`).
         """
         while True:
+            if not self._reading.is_set():  # stopped: left for redelivery
+                self._drop_ready()
+                return
             with self._ready_lock:
-                if not self._ready or not self._reading.is_set():  # stopped: left for redelivery
-                    self._ready.clear()
+                if not self._ready:
                     self._scheduled = False
                     return
-                record, partition, read_ms = self._ready.popleft()
+                arrival = self._ready.popleft()
             try:
-                self._dispatch(record, partition, read_ms)
+                self._dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
                 logger.warning("task delivery deferred 1 s: %r", exc)
                 with self._ready_lock:
-                    self._ready.appendleft((record, partition, read_ms))
+                    self._ready.appendleft(arrival)
                 self.c.hub.call_later(1.0, self._drain)
                 return
 
-    def _dispatch(self, record: Any, partition: PartitionOffsets, read_ms: int) -> None:
-        """Hand one record to Celery's strategy for its task, unless it must not run (again).
+    def _dispatch(self, arrival: _Arrival) -> None:
+        """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
+        without running it (dead-lettered, finished, revoked, replaced or put back).
 
-        Raises only for errors outside the message (the record is tried again);
-        a message that cannot be decoded or run is dead-lettered here.
+        Raises only for errors outside the message (the record is tried again,
+        with the run claim it holds); a message that cannot be run is dead-lettered.
         """
-        offset = record.offset()
-        try:
-            envelope = Envelope.decode(record.value())
-        except Exception as exc:  # any decoder failure (RecursionError too) is the message's
-            self._dead_letter(record, partition, f"undecodable message: {exc!r}", traceback.format_exc())
+        record, partition, verdict = arrival.record, arrival.partition, arrival.verdict
+        if arrival.problem is not None:
+            self._dead_letter(record, partition, arrival.problem, arrival.trace)
             return
-        headers = dict(envelope.headers)
-        name = headers.get("task")
-        strategy = self.c.strategies.get(name) if isinstance(name, str) else None
-        if strategy is None:
-            self._dead_letter(record, partition, f"unknown task {headers.get('task')!r}")
-            return
-        task_id = envelope.task_id
-        if meta := finished(self.c.app.backend, task_id):
-            self._skip_finished(task_id, record, partition, meta)
-            return
-        key = headers.get(KEY_HEADER)  # a replaced task must not run (keep mode replaces none)
-        if (isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace"
-                and (holder := self.store.key_holder(key)) not in (None, task_id)):
-            logger.info("task %s was replaced by %s under key %r: recorded as REVOKED, not run", task_id, holder, key)
-            record_revoked(self.c.app, task_id, envelope, reason="replaced")
+        task_id = arrival.envelope.task_id
+        if verdict.admit is Admit.FINISHED:
+            self._skip_finished(task_id, record, partition, verdict.meta)
+        elif verdict.admit in (Admit.REVOKED, Admit.REPLACED):
+            logger.info("task %s was %s: recorded as REVOKED, not run", task_id, verdict.admit.value)
+            record_revoked(self.c.app, task_id, arrival.envelope, reason=verdict.admit.value)
             metrics.SKIPPED_REVOKED.inc()
-            self._settle(partition, offset)
-            return
-        wait_ms = self.claims.acquire(task_id, attempt_of(headers))
-        if wait_ms is Refused.REVOKED:
-            logger.info("task %s was revoked: recorded as REVOKED, not run", task_id)
-            record_revoked(self.c.app, task_id, envelope, reason="revoked")
-            metrics.SKIPPED_REVOKED.inc()
-            self._settle(partition, offset)
-            return
-        if wait_ms is Refused.FINISHED:
-            self._skip_finished(task_id, record, partition)
-            return
-        if wait_ms:  # another copy is running: try again once its claim would have expired
+            self._settle(partition, record.offset())
+        elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired
             metrics.DEFERRED_DUPLICATES.inc()
-            self._put_back(task_id, record.value(), attempt_of(headers), wait_ms)
-            self._settle(partition, offset)
-            return
-        self._in_hand.add(task_id)
-        try:
-            self._run_claimed(record, partition, envelope, headers, strategy, read_ms)
-        except _Unrunnable as exc:
-            self._release(task_id)
-            self._dead_letter(record, partition, str(exc), exc.traceback)
-        except BaseException:  # whatever failed, the claim must not outlive this attempt
-            self._release(task_id)
-            raise
+            self._put_back(task_id, record.value(), attempt_of(arrival.headers), verdict.wait_ms)
+            self._settle(partition, record.offset())
+        else:
+            self._in_hand.add(task_id)
+            try:
+                self._run_claimed(arrival)
+            except _Unrunnable as exc:
+                self._release(task_id)
+                self._dead_letter(record, partition, str(exc), exc.traceback)
+            except BaseException:  # tried again holding its claim, which _drop_ready gives up if need be
+                self._in_hand.discard(task_id)
+                raise
 
-    def _run_claimed(self, record: Any, partition: PartitionOffsets, envelope: Envelope, headers: dict,
-                     strategy: Any, read_ms: int) -> None:
+    def _run_claimed(self, arrival: _Arrival) -> None:
         """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
+        record, partition, envelope, headers = arrival.record, arrival.partition, arrival.envelope, arrival.headers
         task_id, offset = envelope.task_id, record.offset()
-        if meta := finished(self.c.app.backend, task_id):  # finished between the check and the claim
-            self._release(task_id)
-            self._skip_finished(task_id, record, partition, meta)
-            return
         # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
         # where the process running it finds it for request.eta, remembers when it finished,
         # and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
@@ -418,7 +460,8 @@ class KafkaFeed:
         if due_ms is not None and due_ms > time.time() * 1000 + 1:
             headers["eta"] = eta
         headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
-                               "produced": record.timestamp()[1], "read": read_ms, "handed": int(time.time() * 1000)}
+                               "produced": record.timestamp()[1], "read": arrival.read_ms,
+                               "handed": int(time.time() * 1000)}
         message = Message(body=envelope.body, content_type=envelope.content_type,
                           content_encoding=envelope.content_encoding, headers=headers,
                           properties=envelope.properties, accept=self.accept, channel=None,
@@ -437,7 +480,7 @@ class KafkaFeed:
                 self._settle(partition, offset)
 
         try:
-            strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:
@@ -544,6 +587,28 @@ class Wakeup:
         """Close the pipe, once no thread can wake it any more."""
         for fd in (self._read, self._write):
             os.close(fd)
+
+
+@dataclass
+class _Arrival:
+    """A record read from Kafka, on its way to Celery: decoded and admitted by the Kafka thread,
+    acted on by the loop."""
+
+    record: Any
+    partition: PartitionOffsets
+    read_ms: int  # when it was read (ms since the epoch)
+    envelope: Envelope | None = None
+    headers: dict | None = None
+    strategy: Any = None  # Celery's strategy for its task
+    problem: str | None = None  # why it can never run (dead-lettered), with its traceback
+    trace: str = ""
+    verdict: Verdict | None = None  # what Admission decided; None when it has a problem
+
+
+def _replace_key(headers: dict) -> str | None:
+    """The ``delayed_key`` of a replace-mode task (it runs only while its key names it), else None."""
+    key = headers.get(KEY_HEADER)
+    return key if isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace" else None
 
 
 class _Unrunnable(Exception):

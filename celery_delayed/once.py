@@ -2,16 +2,17 @@
 copies of one task_id never run at the same time.
 
 Kafka and the poller deliver at least once, so a task can arrive twice.  Before
-a worker hands a task to Celery it checks the result backend for a terminal
-state, then takes a *run claim* (``<prefix>:run:{<task_id>}``, SET NX with a
-lease), unless the id was revoked (:func:`remember_revoked`) or its run
-from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`: this
-covers tasks whose result is ignored, or not stored, and attempts that ended in
-a retry, whose late copies must not run again).  The worker extends the
-claims of its running tasks while they run and releases each when Celery
-settles the task; a claim left by a killed worker expires after the lease.  A
-copy that finds the claim taken is put back in the store, due when the claim
-would expire, so it is never dropped.
+a worker hands a task to Celery it takes a *run claim* (``<prefix>:run:{<task_id>}``,
+SET NX with a lease), unless the id was revoked (:func:`remember_revoked`) or its
+run from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`:
+this covers tasks whose result is ignored, or not stored, and attempts that ended
+in a retry, whose late copies must not run again), then checks the result backend
+for a terminal state.  :class:`Admission` takes that decision for all the copies
+a worker read together, in two round trips off the worker's event loop.  The
+worker extends the claims of its running tasks while they run and releases each
+when Celery settles the task; a claim left by a killed worker expires after the
+lease.  A copy that finds the claim taken is put back in the store, due when the
+claim would expire, so it is never dropped.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import logging
 import threading
 import time
 import zlib
-from enum import IntEnum
-from typing import Any
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Any, Callable, Sequence
 
 from celery import Celery, Task, signals, states
-from celery.backends.base import DisabledBackend
+from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend
 
 from .redis_client import Script, execute
 from .store import STORE_ERRORS, DelayedStore
@@ -69,6 +71,7 @@ class RunClaims:
         self._release = Script(self.redis, store.lua_source("release"))
         self._extend = Script(self.redis, store.lua_source("extend"))
         self._held: set[str] = set()
+        self._releasing: list[str] = []  # given up, not yet told to Redis (see release)
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
         self._keeper.start()
@@ -76,17 +79,28 @@ class RunClaims:
     def key(self, task_id: str) -> str:
         return task_key(self.prefix, "run", task_id)
 
-    def acquire(self, task_id: str, attempt: int = 0) -> int:
-        """Claim attempt ``attempt`` (Celery's ``retries``) of ``task_id``: 0 on success, a
-        :class:`Refused` when it must not run, else the ms until the current claim expires."""
-        wait_ms = self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
-                                args=[self.owner, self.lease_ms, attempt])
-        if wait_ms < 0:
-            return Refused(wait_ms)
-        if wait_ms == 0:
+    def acquire_many(self, copies: Sequence[tuple[str, int]]) -> list[int]:
+        """Claim each ``(task_id, attempt)`` (``attempt``: Celery's ``retries``), in order, in one
+        round trip that first tells Redis the releases pending (:meth:`release`).  Per copy: 0
+        when claimed, a :class:`Refused` when it must not run, else the ms until the claim expires."""
+        with self._lock:
+            releasing, self._releasing = self._releasing, []
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in releasing:
+                self._release(keys=[self.key(task_id)], args=[self.owner], client=pipe)
+            for task_id, attempt in copies:
+                self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
+                              args=[self.owner, self.lease_ms, attempt], client=pipe)
+            replies = execute(self.redis, pipe)[len(releasing):]
+        except BaseException:  # told again with the next round trip, still before any claim
             with self._lock:
-                self._held.add(task_id)
-        return wait_ms
+                self._releasing[:0] = releasing
+            raise
+        claimed = [task_id for (task_id, _), wait_ms in zip(copies, replies) if wait_ms == 0]
+        with self._lock:
+            self._held.update(claimed)
+        return [Refused(wait_ms) if wait_ms < 0 else wait_ms for wait_ms in replies]
 
     def forget(self, task_id: str) -> None:
         """Stop extending a claim without giving it up: it lapses after its lease, unless released."""
@@ -94,13 +108,21 @@ class RunClaims:
             self._held.discard(task_id)
 
     def release(self, task_id: str) -> None:
-        """Give a claim up; if Redis cannot be told, the claim simply expires after its lease."""
+        """Give a claim up.  Redis is told with the next :meth:`acquire_many` or :meth:`flush` (the
+        worker's Kafka thread calls one every 0.1 s at most), never on the caller's thread: a copy
+        read later finds the claim released, as those calls tell the releases before claiming."""
         with self._lock:
             self._held.discard(task_id)
-        try:
-            self._release(keys=[self.key(task_id)], args=[self.owner])
-        except STORE_ERRORS as exc:
-            logger.warning("run claim of %s not released (%s); it expires after its lease", task_id, exc)
+            self._releasing.append(task_id)
+
+    def flush(self) -> None:
+        """Tell Redis the pending releases; if it cannot be told, they are told with the next call
+        (meanwhile the claims only lapse after their lease)."""
+        if self._releasing:
+            try:
+                self.acquire_many(())
+            except STORE_ERRORS as exc:
+                logger.warning("%d run claims not released yet (%s); trying again", len(self._releasing), exc)
 
     def _keep(self) -> None:
         while True:
@@ -129,6 +151,97 @@ def task_key(prefix: str, kind: str, task_id: str) -> str:
 
 #: The finished record of a task id that ended for good (else: the attempt that retried).
 ENDED = "F"
+
+
+class Admit(Enum):
+    """What a worker does with a copy of a task it read (:class:`Admission`)."""
+
+    RUN = "run"  # claimed: hand it to Celery
+    FINISHED = "finished"  # this attempt, or the task, ended already: acknowledge it
+    REVOKED = "revoked"  # revoked: record it REVOKED, never run it
+    REPLACED = "replaced"  # its delayed_key names another task now: record it REVOKED
+    BUSY = "busy"  # another copy runs: put it back in the store, due when that claim would expire
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admit: Admit
+    wait_ms: int = 0  # BUSY: ms until the other copy's claim expires
+    meta: dict | None = None  # FINISHED: the result backend's meta, when it holds the end
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A copy of a task read from Kafka, as :class:`Admission` needs it."""
+
+    task_id: str
+    attempt: int  # Celery's ``retries``
+    key: str | None = None  # its replace-mode delayed_key, if any
+
+
+class Admission:
+    """The run-or-skip decision for copies read together: their run claims in one round trip to
+    the store (:meth:`RunClaims.acquire_many`), then the result backend's state of each in one
+    more (MGET on a key-value backend), so a copy that ended between the two cannot slip through.
+
+    If the backend or the store fails, :meth:`decide` raises and may be called again: the claims
+    taken are kept (and extended) until it succeeds, or :meth:`abandon` gives them up.
+    """
+
+    def __init__(self, copies: Sequence[Copy]) -> None:
+        self.copies = list(copies)
+        self._claims: list[int] | None = None
+
+    def decide(self, claims: RunClaims, backend: Any, key_holder: Callable[[str], str | None]) -> list[Verdict]:
+        """One :class:`Verdict` per copy, in order; claims not run (every verdict but RUN) are released."""
+        if self._claims is None:
+            self._claims = claims.acquire_many([(c.task_id, c.attempt) for c in self.copies])
+        metas = finished_many(backend, [c.task_id for c in self.copies])
+        holders = {key: key_holder(key) for key in {c.key for c in self.copies if c.key is not None}}
+        verdicts = []
+        for copy, claim in zip(self.copies, self._claims):
+            if copy.task_id in metas:  # before REVOKED: a task both finished and revoked is finished
+                verdict = Verdict(Admit.FINISHED, meta=metas[copy.task_id])
+            elif copy.key is not None and holders[copy.key] not in (None, copy.task_id):
+                verdict = Verdict(Admit.REPLACED)
+            elif claim is Refused.REVOKED:
+                verdict = Verdict(Admit.REVOKED)
+            elif claim is Refused.FINISHED:
+                verdict = Verdict(Admit.FINISHED)
+            elif claim:
+                verdict = Verdict(Admit.BUSY, wait_ms=claim)
+            else:
+                verdict = Verdict(Admit.RUN)
+            if claim == 0 and verdict.admit is not Admit.RUN:
+                claims.release(copy.task_id)
+            verdicts.append(verdict)
+        self._claims = None
+        return verdicts
+
+    def abandon(self, claims: RunClaims) -> None:
+        """Give up the claims a failed :meth:`decide` took (the copies will be read again)."""
+        for copy, claim in zip(self.copies, self._claims or ()):
+            if claim == 0:
+                claims.release(copy.task_id)
+        self._claims = None
+
+
+def finished_many(backend: Any, task_ids: Sequence[str]) -> dict[str, dict]:
+    """The result backend's meta of each id whose state is terminal (success, failure, revoked):
+    one MGET on a key-value backend (Redis...), else one lookup per id.  A meta that cannot be
+    decoded is taken as not terminal (logged): the run claim still keeps the task to one run."""
+    if isinstance(backend, DisabledBackend) or not task_ids:
+        return {}
+    if not isinstance(backend, BaseKeyValueStoreBackend):
+        metas = {task_id: backend.get_task_meta(task_id, cache=False) for task_id in task_ids}
+    else:
+        metas = {}
+        for task_id, value in zip(task_ids, backend.mget([backend.get_key_for_task(t) for t in task_ids])):
+            try:
+                metas[task_id] = backend.decode_result(value) if value else {}
+            except Exception as exc:
+                logger.warning("the result of task %s cannot be read (%r): taken as not ended", task_id, exc)
+    return {task_id: meta for task_id, meta in metas.items() if meta.get("status") in states.READY_STATES}
 
 
 def remember_finished(app: Celery) -> None:
@@ -203,12 +316,3 @@ def attempt_of(headers: dict) -> int:
     """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
     retries = headers.get("retries") if isinstance(headers, dict) else None
     return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
-
-
-def finished(backend, task_id: str) -> dict | None:
-    """The result backend's meta of the id when it holds a terminal state (success, failure,
-    revoked), else None."""
-    if isinstance(backend, DisabledBackend):
-        return None
-    meta = backend.get_task_meta(task_id)
-    return meta if meta.get("status") in states.READY_STATES else None

@@ -143,18 +143,32 @@ def blinking_backend_run(overrides: dict, processes, n: int):
 
 
 def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):
-    """The result backend fails the second check of each task id (the one after the run claim is
-    taken): the task is tried again a second later and runs once; it is not dead-lettered, and
-    its run claim is not left behind to bounce every later copy."""
+    """The result backend fails the worker's first two checks of the tasks' states (after their
+    run claims are taken): the tasks are admitted a second later with the claims they hold and
+    run once; none is dead-lettered, and no run claim is left behind to bounce every later copy."""
     app, run, results = blinking_backend_run(overrides, processes, 5)
-    processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": "2"})
+    worker = processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": "1,2"})
     assert {r.get(timeout=60) for r in results} == {r.id for r in results}
+    assert processes.log(worker).count("cannot tell yet whether") >= 2, "the blinks were not met"
     assert runs(app, run) == {r.id: 1 for r in results}
     assert DeadLetters(store_of(app)).count() == 0, "a transient backend error dead-lettered a task"
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     prefix = overrides["delayed_key_prefix"]
     wait_for(lambda: not any(r.exists(task_key(prefix, "run", x.id)) for x in results), 10,
              "every run claim to be released")
+
+
+def test_a_hanging_result_backend_does_not_stall_the_workers_event_loop(overrides, processes):
+    """The worker's check of a Kafka task's state in the result backend hangs for 30 s: a task
+    sent through the broker meanwhile still runs at once (the check happens off the event loop,
+    which receives, acknowledges and answers remote control), and the Kafka task runs after."""
+    app, run, results = blinking_backend_run(overrides, processes, 1)
+    worker = processes.worker("w1", "-c", "2", env={"CD_TEST_SLOW_META": "30"})
+    wait_for(lambda: "slow meta read" in processes.log(worker), 90, "the worker to read the Kafka task")
+    plain = app.tasks["tasks.demo.work"].apply_async((run,))  # no ETA: through the broker
+    assert plain.get(timeout=15) == plain.id, "the broker task waited for the hanging check"
+    assert results[0].id not in runs(app, run), "the Kafka task ran before its check ended"
+    assert results[0].get(timeout=90) == results[0].id
 
 
 @pytest.mark.parametrize("blinks", [{"CD_TEST_BLINK_DONE": "1"},

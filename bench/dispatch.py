@@ -173,7 +173,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
             progress=lambda k: progress.advance(load, k))
         if added != n + backlog:
             raise RuntimeError(f"preloaded {added} of {n + backlog} tasks")
-        msg_bytes = sum(store.redis.memory_usage(store.key(p, "msg")) or 0 for p in range(settings.partitions))
+        msg_bytes = sum(store.redis.memory_usage(store.keys.msgs(p)) or 0 for p in range(settings.partitions))
 
         job = progress.add_task(f"{name}: dispatch", total=n)
         if loaded:
@@ -213,7 +213,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         if t_done is None:
             raise RuntimeError(f"{name}: only {on_topic} of {n} records on {topic} "
                                f"after {time.time() - t0:.0f} s; logs in {procs.logdir}")
-        leftover = sum(store.redis.hlen(store.key(p, "msg")) for p in range(settings.partitions))
+        leftover = sum(store.redis.hlen(store.keys.msgs(p)) for p in range(settings.partitions))
 
         verify = progress.add_task(f"{name}: verify topic", total=on_topic)
         keys: set[str] = set()

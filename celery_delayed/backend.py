@@ -14,7 +14,7 @@ from __future__ import annotations
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from kombu.utils.objects import cached_property
 
-from .store import DelayedStore
+from .scripts import Scripts
 
 
 class RedisBackend(CeleryRedisBackend):
@@ -22,7 +22,7 @@ class RedisBackend(CeleryRedisBackend):
 
     @cached_property
     def _store_once(self):
-        return self.client.register_script(DelayedStore.lua_source("store_result"))
+        return Scripts(self.client)["store_result"]
 
     def _set(self, key, value, expires=None):
         if self.serializer != "json":

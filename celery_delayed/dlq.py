@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 
 from .envelope import Envelope, EnvelopeError
 from .once import forget_run_records
-from .redis_client import Script, execute
+from .redis_client import execute
 from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
@@ -107,10 +107,8 @@ class DeadLetters:
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
-        prefix = store.settings.key_prefix
-        self.keys = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
-        self._scripts = {name: Script(store.redis, store.lua_source(name))
-                         for name in ("dead_letter", "remove_dead_letter", "purge_dead_letters")}
+        self.keys = store.keys.dlq  # the record hash, the index by time parked
+        self._scripts = store.scripts
 
     def add(self, letter: DeadLetter) -> None:
         """Park ``letter``, and drop the oldest letters past ``delayed_dlq_max_age`` or beyond

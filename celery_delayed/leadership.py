@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import pyetcd
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
+from .keys import Keys
 from .settings import Settings
 from .store import partition_of
 
@@ -81,17 +82,14 @@ class Leadership:
         self.settings = settings
         self.etcd = etcd or make_etcd(settings)
         self.id = poller_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._root = f"/{settings.key_prefix}"
-        self._epoch_key = f"{self._root}/epoch"
+        self.keys = Keys(settings.key_prefix)
+        self._epoch_key = self.keys.epoch()
         self._lease: pyetcd.Lease | None = None
         self._owned: dict[int, int] = {}
         self._valid_until = 0.0
         self._lock = threading.Lock()  # guards _owned and _valid_until
         self._stepping = threading.Lock()  # one step at a time, never after release
         self._closed = False
-
-    def leader_key(self, partition: int) -> str:
-        return f"{self._root}/leader/{partition}"
 
     def owned(self) -> dict[int, int]:
         """Partitions this poller may dispatch now, with their fencing tokens.
@@ -110,7 +108,7 @@ class Leadership:
             started = time.monotonic()
             try:
                 self._refresh()
-                live = len(list(self.etcd.get_prefix(f"{self._root}/pollers/", keys_only=True)))
+                live = len(list(self.etcd.get_prefix(self.keys.pollers(), keys_only=True)))
                 share = math.ceil(self.settings.partitions / max(live, 1))
                 owned = self._reconcile(share, self._read_epoch()[0])
             except Exception as exc:  # etcd down or lease lost: lead nothing until proven again
@@ -181,7 +179,7 @@ class Leadership:
             with self._lock:
                 self._owned = {}
         self._lease = self.etcd.lease(self.settings.lease_ttl)
-        self.etcd.put(f"{self._root}/pollers/{self.id}", self.id, lease=self._lease)
+        self.etcd.put(self.keys.poller(self.id), self.id, lease=self._lease)
 
     def _read_epoch(self) -> tuple[int, int, int]:
         """etcd's fencing epoch, the mod revision of its key (0 when absent) and etcd's current revision."""
@@ -207,7 +205,7 @@ class Leadership:
     def _reconcile(self, share: int, epoch: int) -> dict[int, int]:
         owned = {}
         leaders = {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta.create_revision)
-                   for value, meta in self.etcd.get_prefix(f"{self._root}/leader/")}
+                   for value, meta in self.etcd.get_prefix(self.keys.leaders())}
         for p, (holder, revision) in leaders.items():
             if holder == self.id and p < self.settings.partitions:
                 owned[p] = token_of(epoch, revision)
@@ -228,7 +226,7 @@ class Leadership:
     def _acquire(self, partition: int) -> int | None:
         if self._lease is None:  # a key without a lease would never expire
             raise RuntimeError("no lease")
-        key = self.leader_key(partition)
+        key = self.keys.leader(partition)
         tx = self.etcd.transactions
         ok, _ = self.etcd.transaction(compare=[tx.create(key) == 0],
                                       success=[tx.put(key, self.id, lease=self._lease)], failure=[])
@@ -239,7 +237,7 @@ class Leadership:
 
     def _delete_if_mine(self, partition: int, revision: int | None = None) -> None:
         """Delete a leader key this poller holds (only the one created at ``revision``, when given)."""
-        key = self.leader_key(partition)
+        key = self.keys.leader(partition)
         tx = self.etcd.transactions
         compare = [tx.value(key) == self.id] + ([tx.create(key) == revision] if revision is not None else [])
         self.etcd.transaction(compare=compare, success=[tx.delete(key)], failure=[])

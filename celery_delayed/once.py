@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, Callable, Sequence
@@ -27,7 +26,7 @@ from typing import Any, Callable, Sequence
 from celery import Celery, Task, signals, states
 from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend
 
-from .redis_client import Script, execute
+from .redis_client import execute
 from .store import STORE_ERRORS, DelayedStore
 
 #: The header naming a task's replace-by-key key: at most one task per key is scheduled.
@@ -64,20 +63,15 @@ class RunClaims:
 
     def __init__(self, store: DelayedStore, owner: str, lease_s: float) -> None:
         self.redis = store.redis
-        self.prefix = store.settings.key_prefix
+        self.keys = store.keys
         self.owner = owner
         self.lease_ms = int(lease_s * 1000)
-        self._acquire = Script(self.redis, store.lua_source("acquire"))
-        self._release = Script(self.redis, store.lua_source("release"))
-        self._extend = Script(self.redis, store.lua_source("extend"))
+        self._acquire, self._release, self._extend = (store.scripts[name] for name in ("acquire", "release", "extend"))
         self._held: set[str] = set()
         self._releasing: list[str] = []  # given up, not yet told to Redis (see release)
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
         self._keeper.start()
-
-    def key(self, task_id: str) -> str:
-        return task_key(self.prefix, "run", task_id)
 
     def acquire_many(self, copies: Sequence[tuple[str, int]]) -> list[int]:
         """Claim each ``(task_id, attempt)`` (``attempt``: Celery's ``retries``), in order, in one
@@ -88,9 +82,9 @@ class RunClaims:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for task_id in releasing:
-                self._release(keys=[self.key(task_id)], args=[self.owner], client=pipe)
+                self._release(keys=[self.keys.run(task_id)], args=[self.owner], client=pipe)
             for task_id, attempt in copies:
-                self._acquire(keys=[task_key(self.prefix, kind, task_id) for kind in ("run", "revoked", "done")],
+                self._acquire(keys=[self.keys.task(kind, task_id) for kind in ("run", "revoked", "done")],
                               args=[self.owner, self.lease_ms, attempt], client=pipe)
             replies = execute(self.redis, pipe)[len(releasing):]
         except BaseException:  # told again with the next round trip, still before any claim
@@ -134,19 +128,10 @@ class RunClaims:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 for task_id in held:
-                    self._extend(keys=[self.key(task_id)], args=[self.owner, self.lease_ms], client=pipe)
+                    self._extend(keys=[self.keys.run(task_id)], args=[self.owner, self.lease_ms], client=pipe)
                 execute(self.redis, pipe)
             except STORE_ERRORS as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
-
-
-def task_key(prefix: str, kind: str, task_id: str) -> str:
-    """Redis key of a task id's ``run`` claim, ``revoked`` or ``done`` record.
-
-    The three share a hash tag, the CRC-32 of the id (an id itself may hold
-    braces), so :file:`lua/acquire.lua` reads them together on Redis Cluster.
-    """
-    return f"{prefix}:{kind}:{{{zlib.crc32(task_id.encode()):08x}}}{task_id}"
 
 
 #: The finished record of a task id that ended for good (else: the attempt that retried).
@@ -272,7 +257,7 @@ def remember_finished(app: Celery) -> None:
         if ttl_ms <= 0:
             return
         try:
-            store.redis.set(task_key(store.settings.key_prefix, "done", task_id), record, px=ttl_ms)
+            store.redis.set(store.keys.done(task_id), record, px=ttl_ms)
         except STORE_ERRORS as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
@@ -284,14 +269,14 @@ def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
     ttl_ms = int(store.settings.revoke_days * 86_400_000)
     pipe = store.redis.pipeline(transaction=False)
     for task_id in task_ids:
-        pipe.set(task_key(store.settings.key_prefix, "revoked", task_id), 1, px=ttl_ms)
+        pipe.set(store.keys.revoked(task_id), 1, px=ttl_ms)
     store.execute(pipe)
 
 
 def is_revoked(store: DelayedStore, task_id: str) -> bool:
     """Whether the id was revoked within ``delayed_revoke_days`` (:func:`remember_revoked`)."""
     pipe = store.redis.pipeline(transaction=False)
-    pipe.exists(task_key(store.settings.key_prefix, "revoked", task_id))
+    pipe.exists(store.keys.revoked(task_id))
     return bool(store.execute(pipe)[0])
 
 
@@ -300,7 +285,7 @@ def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
     pipe = store.redis.pipeline(transaction=False)
     for task_id in task_ids:
         for kind in ("done", "revoked"):  # one key per DEL: a cluster pipeline refuses several
-            pipe.delete(task_key(store.settings.key_prefix, kind, task_id))
+            pipe.delete(store.keys.task(kind, task_id))
     store.execute(pipe)
 
 

@@ -114,7 +114,7 @@ class Poller:
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(**{self.store.wake_channel: self._on_wake})
+        pubsub.subscribe(**{self.store.keys.wake: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
         logger.info("poller %s started (%d partitions)", self.leadership.id, self.settings.partitions)
         try:

@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from . import install, store_of
+from .keys import Keys
 from .leadership import make_etcd
 from .poller import Poller
 from .redis_client import connect
@@ -63,7 +64,7 @@ def remove_everything(settings: Settings, topics: list[str] | None = None) -> No
     ``delayed_topic_prefix``).  For tests and benchmarks: nothing of the prefix survives."""
     unlink_prefix(connect(settings), settings.key_prefix)
     try:
-        make_etcd(settings).delete_prefix(f"/{settings.key_prefix}/")
+        make_etcd(settings).delete_prefix(Keys(settings.key_prefix).etcd_root + "/")
     except Exception:  # etcd keys die with the pollers' leases anyway
         pass
     admin = AdminClient(settings.kafka())  # referenced until the futures resolve

@@ -1,19 +1,8 @@
 """The delayed store: scheduled tasks in Redis, one sorted set per partition.
 
-Layout per partition ``p`` (the ``{p}`` hash tag keeps a partition's keys in one
-Redis Cluster slot):
-
-- ``<prefix>:{p}:t:<start>`` ZSET id -> due time (ms since the epoch) of the tasks
-  due in the :data:`BUCKET_SECONDS` long bucket starting at ``<start>`` (s)
-- ``<prefix>:{p}:buckets``  ZSET bucket start -> earliest due time in that bucket
-- ``<prefix>:{p}:msg``      HASH id -> 4-byte bucket start + envelope (:mod:`.envelope`)
-- ``<prefix>:{p}:inflight`` ZSET id -> visibility deadline (ms), also the claim's stamp
-- ``<prefix>:{p}:fence``    highest fencing token that has claimed ``p``
-- ``<prefix>:{p}:stamp``    the last claim's stamp (stamps only grow: see ``lua/claim.lua``)
-- ``<prefix>:{p}:attempt``  HASH id -> attempt number of the stored copy, for retries only
-- ``<prefix>:{p}:keys``     HASH replace-by-key key -> the task id scheduled under it (:mod:`.client`)
-- ``<prefix>:layout``        what every process must agree on: partitions, bucket
-  width, format version (:meth:`DelayedStore.check_layout`)
+Each partition ``p`` keeps its tasks in time buckets (``<prefix>:{p}:t:<start>``)
+with an index of the buckets, a hash of the messages and an inflight set;
+:mod:`.keys` names every key and what it holds.
 
 Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
 list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
@@ -31,7 +20,6 @@ import heapq
 import itertools
 import logging
 import math
-import re
 import struct
 import zlib
 from collections import deque
@@ -39,14 +27,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from datetime import datetime, timezone
-from importlib import resources
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sized
 
 import redis
 from kombu.utils.functional import retry_over_time
 
 from .envelope import Envelope
-from .redis_client import UNREACHABLE, Script, connect, execute
+from .keys import Keys
+from .redis_client import UNREACHABLE, connect, execute
+from .scripts import Scripts
 from .settings import ConfigurationError, Settings, redact_url
 
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
@@ -233,29 +222,15 @@ class DelayedStore:
             self.redis = client or connect(settings)
         except UNREACHABLE as exc:  # a cluster client reads the slot map at once
             raise StoreUnavailable(self._unavailable(exc)) from exc
-        self.wake_channel = f"{settings.key_prefix}:wake"
+        self.keys = Keys(settings.key_prefix)
         self._layout_checked = False
         self._waitaof_checked = False
-        self._scripts = {name: Script(self.redis, self.lua_source(name))
-                         for name in ("schedule", "claim", "ack", "nack", "cancel", "reschedule", "upcoming",
-                                      "counts", "hold_key", "release_key")}
-
-    @staticmethod
-    def lua_source(name: str) -> str:
-        """The text of ``lua/<name>.lua`` (registered once, then called by SHA), each line
-        ``--- @include <steps>`` replaced by ``lua/<steps>.lua``: steps several scripts share."""
-        return _INCLUDE.sub(lambda line: _lua_file(line[1]), _lua_file(name))
+        self.scripts = Scripts(self.redis)
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
         return partition_of(task_id, self.settings.partitions)
 
-    def key(self, partition: int, name: str) -> str:
-        return f"{self.settings.key_prefix}:{{{partition}}}:{name}"
-
-    def _keys(self, partition: int) -> list[str]:
-        """The bucket index, message hash and inflight set of a partition (most scripts' KEYS)."""
-        return [self.key(partition, "buckets"), self.key(partition, "msg"), self.key(partition, "inflight")]
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self, task_id: str, due_ms: int, data: bytes, attempt: int = 0) -> Stored:
@@ -321,8 +296,8 @@ class DelayedStore:
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
-                    self._scripts["schedule"](keys=[*self._keys(p), self.key(p, "attempt")],
-                                              args=[self.wake_channel, self.key(p, "t:"),
+                    self.scripts["schedule"](keys=[*self.keys.core(p), self.keys.attempts(p)],
+                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
                                                     *flat[start:start + SCHEDULE_CHUNK * 4]],
                                               client=pipe)
             if isinstance(self.redis, redis.RedisCluster):  # waited for per node after the pipeline (_send)
@@ -379,11 +354,11 @@ class DelayedStore:
         policy = self.settings.wait_policy
         by_node: dict[str, tuple[Any, int]] = {}
         for p in partitions:
-            node = self.redis.get_node_from_key(self.key(p, "wait"))
+            node = self.redis.get_node_from_key(self.keys.wait_probe(p))
             by_node.setdefault(node.name, (node, p))
         for node, p in by_node.values():
             pipe = node.redis_connection.pipeline(transaction=False)
-            pipe.execute_command("SET", self.key(p, "wait"), 1, "PX", 60_000)
+            pipe.execute_command("SET", self.keys.wait_probe(p), 1, "PX", 60_000)
             if policy.aof:
                 self._require_waitaof()
                 pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
@@ -425,8 +400,8 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         for task_id in ids:
             p = self.partition(task_id)
-            self._scripts["cancel"](keys=[*self._keys(p), self.key(p, "attempt")],
-                                    args=[self.key(p, "t:"), member_of(task_id)], client=pipe)
+            self.scripts["cancel"](keys=[*self.keys.core(p), self.keys.attempts(p)],
+                                    args=[self.keys.bucket_prefix(p), member_of(task_id)], client=pipe)
         return {task_id: reply if isinstance(reply, bytes) else Change(reply)
                 for task_id, reply in zip(ids, self.execute(pipe))}
 
@@ -449,7 +424,7 @@ class DelayedStore:
 
     def _key_index(self, key: str) -> str:
         """The hash of the keys in ``key``'s partition (keys are spread as task ids are)."""
-        return self.key(self.partition(key), "keys")
+        return self.keys.key_index(self.partition(key))
 
     def reschedule(self, task_id: str, due: datetime | int) -> int:
         """Move a scheduled task to a new due time (a datetime, or ms since the epoch); returns the due ms.
@@ -459,8 +434,8 @@ class DelayedStore:
         """
         due_ms = _in_range(due_ms_of(due))
         p = self.partition(task_id)
-        Change(self._call("reschedule", self._keys(p),
-                          [self.wake_channel, self.key(p, "t:"), BUCKET_SECONDS, member_of(task_id), due_ms])
+        Change(self._call("reschedule", self.keys.core(p),
+                          [self.keys.wake, self.keys.bucket_prefix(p), BUCKET_SECONDS, member_of(task_id), due_ms])
                ).check(task_id, "rescheduled")
         return due_ms
 
@@ -469,8 +444,8 @@ class DelayedStore:
         """Where a task stands in the store, or None if the store does not hold it."""
         p, member = self.partition(task_id), member_of(task_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.key(p, "msg"), member)
-        pipe.zscore(self.key(p, "inflight"), member)
+        pipe.hget(self.keys.msgs(p), member)
+        pipe.zscore(self.keys.inflight(p), member)
         stored, deadline = self.execute(pipe)
         if stored is None:
             return None
@@ -478,7 +453,7 @@ class DelayedStore:
         envelope = Envelope.decode(data)
         due = None
         if deadline is None:
-            due = self._call_redis(self.redis.zscore, self.key(p, f"t:{_BUCKET.unpack_from(stored)[0]}"), member)
+            due = self._call_redis(self.redis.zscore, self.keys.bucket(p, _BUCKET.unpack_from(stored)[0]), member)
         due_ms = int(due) if due is not None else None
         return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
                 "state": "inflight" if deadline is not None else "scheduled",
@@ -489,7 +464,7 @@ class DelayedStore:
 
     def message(self, task_id: str) -> bytes | None:
         """The stored envelope of a task (scheduled or in flight), or None."""
-        stored = self._call_redis(self.redis.hget, self.key(self.partition(task_id), "msg"), member_of(task_id))
+        stored = self._call_redis(self.redis.hget, self.keys.msgs(self.partition(task_id)), member_of(task_id))
         return None if stored is None else _envelope_of(stored)
 
     def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
@@ -506,8 +481,8 @@ class DelayedStore:
         start_ms, skips = _parse_cursor(after, self.settings.partitions)
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):  # one more than a page: is there a next one?
-            self._scripts["upcoming"](keys=self._keys(p)[:1],
-                                      args=[self.key(p, "t:"), BUCKET_SECONDS, "" if start_ms is None else start_ms,
+            self.scripts["upcoming"](keys=[self.keys.buckets(p)],
+                                      args=[self.keys.bucket_prefix(p), BUCKET_SECONDS, "" if start_ms is None else start_ms,
                                             skips.get(p, 0), limit + 1], client=pipe)
         heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
                  for p, rows in enumerate(self.execute(pipe))]
@@ -518,7 +493,7 @@ class DelayedStore:
     def _describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
         pipe = self.redis.pipeline(transaction=False)
         for _, member, p in entries:
-            pipe.hget(self.key(p, "msg"), member)
+            pipe.hget(self.keys.msgs(p), member)
         items = []
         for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
             if stored is not None:
@@ -535,7 +510,7 @@ class DelayedStore:
         now_ms = self.now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            self._scripts["counts"](keys=self._keys(p), args=[self.key(p, "t:"), now_ms, BUCKET_SECONDS],
+            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
                                     client=pipe)
         rows = []
         for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
@@ -554,17 +529,17 @@ class DelayedStore:
         """Per partition, the highest fencing token that has claimed it (0 = none yet)."""
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            pipe.get(self.key(p, "fence"))
+            pipe.get(self.keys.fence(p))
         return [int(fence or 0) for fence in self.execute(pipe)]
 
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
         and return them."""
-        keys = [*self._keys(partition), self.key(partition, "fence"), self.key(partition, "stamp")]
+        keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition)]
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
-                                               self.key(partition, "t:"), BUCKET_SECONDS,
+                                               self.keys.bucket_prefix(partition), BUCKET_SECONDS,
                                                int(self.settings.dispatch_lead * 1000)])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
@@ -580,14 +555,14 @@ class DelayedStore:
         Only a copy still in flight under that claim is forgotten; a newer copy
         scheduled meanwhile, or a later claim, stays.
         """
-        keys = [self.key(partition, "inflight"), self.key(partition, "msg"), self.key(partition, "attempt")]
+        keys = [self.keys.inflight(partition), self.keys.msgs(partition), self.keys.attempts(partition)]
         return sum(self._call("ack", keys, _pairs(chunk)) for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
     def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000) -> int:
         """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, their delivery having
         failed, due again after ``delay_ms``; as for :meth:`ack`, only copies of that claim."""
-        return sum(self._call("nack", self._keys(partition),
-                              [self.key(partition, "t:"), BUCKET_SECONDS, delay_ms, *_pairs(chunk)])
+        return sum(self._call("nack", self.keys.core(partition),
+                              [self.keys.bucket_prefix(partition), BUCKET_SECONDS, delay_ms, *_pairs(chunk)])
                    for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
     # -- layout --------------------------------------------------------------
@@ -607,26 +582,22 @@ class DelayedStore:
         """
         mine = {k: str(v) for k, v in self.layout().items()}
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.layout_key, " ".join(f"{k}={v}" for k, v in mine.items()), nx=True)
-        pipe.get(self.layout_key)
+        pipe.set(self.keys.layout, " ".join(f"{k}={v}" for k, v in mine.items()), nx=True)
+        pipe.get(self.keys.layout)
         created, stored = self._unchecked(execute, self.redis, pipe)
         differences = [f"{'delayed_' if k == 'partitions' else ''}{k}={v} (this process: {mine.get(k)})"
                        for k, v in (item.split("=", 1) for item in stored.decode().split()) if mine.get(k) != v]
         if differences:
             raise LayoutMismatch(
-                f"the delayed store {self.layout_key} at {redact_url(self.settings.redis_url)} was laid out with "
+                f"the delayed store {self.keys.layout} at {redact_url(self.settings.redis_url)} was laid out with "
                 f"{', '.join(differences)}: use the stored value, or drain the store with it and then change it "
                 "(README: Changing the store layout)")
         self._layout_checked = True
         return bool(created)
 
-    @property
-    def layout_key(self) -> str:
-        return f"{self.settings.key_prefix}:layout"
-
     # -- plumbing ------------------------------------------------------------
     def _call(self, name: str, keys: list[str], args: list):
-        return self._call_redis(self._scripts[name], keys=keys, args=args)
+        return self._call_redis(self.scripts[name], keys=keys, args=args)
 
     def execute(self, pipe: redis.client.Pipeline) -> list:
         """Run a pipeline of this store's Redis; an unreachable store is :class:`StoreUnavailable`."""
@@ -657,14 +628,6 @@ def _pairs(claimed: list[tuple[str, int]]) -> list:
 def _envelope_of(stored: bytes) -> bytes:
     """A stored message without its leading bucket start."""
     return stored[_BUCKET.size:]
-
-
-#: A line of a Lua script that includes shared steps (see :meth:`DelayedStore.lua_source`).
-_INCLUDE = re.compile(r"^--- @include (\w+)$", re.MULTILINE)
-
-
-def _lua_file(name: str) -> str:
-    return (resources.files(__package__) / "lua" / f"{name}.lua").read_text()
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:

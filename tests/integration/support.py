@@ -20,6 +20,7 @@ from confluent_kafka import Consumer
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import ensure_topics
+from celery_delayed.keys import Keys
 from celery_delayed.leadership import make_etcd
 from celery_delayed.poller import Poller
 from celery_delayed.settings import Settings
@@ -141,7 +142,7 @@ def leaders(settings: Settings) -> dict[int, int]:
     """Partition -> PID of the poller leading it, read from etcd."""
     etcd = make_etcd(settings)
     found = {}
-    for value, meta in etcd.get_prefix(f"/{settings.key_prefix}/leader/"):
+    for value, meta in etcd.get_prefix(Keys(settings.key_prefix).leaders()):
         found[int(meta.key.decode().rsplit("/", 1)[1])] = int(value.decode().rsplit("-", 2)[1])
     return found
 

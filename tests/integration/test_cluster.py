@@ -65,10 +65,10 @@ def test_scripts_a_node_lost_are_loaded_again_and_each_runs_once(store):
 
 def test_a_wake_up_published_on_one_node_reaches_a_subscriber_on_another(store):
     store.schedule_many(envelopes(2, "q", store.now_ms() + 60_000))
-    home = store.redis.get_node_from_key(store.key(store.partition("task-1"), "buckets"))
+    home = store.redis.get_node_from_key(store.keys.buckets(store.partition("task-1")))
     other = next(node for node in store.redis.get_primaries() if node.name != home.name)
     pubsub = store.redis.pubsub(node=other, ignore_subscribe_messages=True)
-    pubsub.subscribe(store.wake_channel)
+    pubsub.subscribe(store.keys.wake)
     soon = store.now_ms() + 5000
     store.reschedule("task-1", soon)  # PUBLISH inside the script, on the partition's node
     message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up from another node")

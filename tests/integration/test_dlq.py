@@ -12,7 +12,7 @@ import pytest
 from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
-from celery_delayed.once import remember_revoked, task_key
+from celery_delayed.once import remember_revoked
 from celery_delayed.store import DelayedStore
 from tasks import create_app
 
@@ -88,7 +88,7 @@ def test_requeue_schedules_the_same_id_and_bytes_due_now_then_drops_the_record(l
     store = letters.store
     backend = RecordingBackend(store)
     remember_revoked(store, ["task-0"])  # an operator's requeue overrides an earlier revoke
-    records = [task_key(store.settings.key_prefix, kind, "task-0") for kind in ("revoked", "done")]
+    records = [store.keys.task(kind, "task-0") for kind in ("revoked", "done")]
     store.redis.set(records[1], 1)
     before = redis_now_ms(store)
     assert letters.requeue("task-0", backend) is True

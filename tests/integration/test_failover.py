@@ -121,7 +121,7 @@ def test_what_running_tasks_write_to_the_store_across_a_primary_failover_is_kept
     ids: list[str] = []
     while len(ids) < 8:  # tasks whose retry goes to a partition of the killed primary
         task_id = str(uuid.uuid4())
-        if store.redis.get_node_from_key(store.key(store.partition(task_id), "msg")).port == doomed:
+        if store.redis.get_node_from_key(store.keys.msgs(store.partition(task_id))).port == doomed:
             ids.append(task_id)
     failing = [str(uuid.uuid4()) for _ in range(4)]
     failover = threading.Thread(target=redis_failover, args=(

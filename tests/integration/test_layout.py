@@ -24,7 +24,7 @@ def scheduled_with_four_partitions(overrides: dict) -> DelayedStore:
 
 def test_store_with_another_partition_count_is_refused_and_changes_nothing(overrides):
     store = scheduled_with_four_partitions(overrides)
-    layout = store.redis.get(store.layout_key)
+    layout = store.redis.get(store.keys.layout)
     other = DelayedStore(settings_for(overrides, partitions=2))
     for attempt in (lambda: other.schedule_many(envelopes(5, "q", now_ms(), prefix="new")),
                     lambda: other.cancel("task-0"), other.counts, lambda: other.reschedule("task-1", now_ms())):
@@ -34,7 +34,7 @@ def test_store_with_another_partition_count_is_refused_and_changes_nothing(overr
     assert isinstance(refused, LayoutMismatch) and "drain the store" in str(refused)
     assert sum(r["scheduled"] for r in store.counts()) == 20
     assert store.get("task-0")["state"] == "scheduled" and store.get("new-0") is None
-    assert store.redis.get(store.layout_key) == layout == b"partitions=4 bucket_seconds=10 format=1"
+    assert store.redis.get(store.keys.layout) == layout == b"partitions=4 bucket_seconds=10 format=1"
 
 
 def test_cli_with_another_partition_count_prints_one_line(overrides):

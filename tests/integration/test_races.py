@@ -14,7 +14,7 @@ from celery import states
 
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetters
-from celery_delayed.once import task_key
+from celery_delayed.keys import Keys
 from tasks import create_app
 
 from .support import Starver, wait_for
@@ -154,7 +154,7 @@ def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(over
     assert DeadLetters(store_of(app)).count() == 0, "a transient backend error dead-lettered a task"
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     prefix = overrides["delayed_key_prefix"]
-    wait_for(lambda: not any(r.exists(task_key(prefix, "run", x.id)) for x in results), 10,
+    wait_for(lambda: not any(r.exists(Keys(prefix).run(x.id)) for x in results), 10,
              "every run claim to be released")
 
 

@@ -80,7 +80,7 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     ids = [str(uuid.uuid4()) for _ in range(60)]
     dues = [now - 60_000 + 2000 * i for i in range(30)] + [now + 30_000 + 2000 * i for i in range(30)]
     store.schedule_many((task_id, due, data) for task_id, due, (_, _, data) in zip(ids, dues, envelopes(60, "q", 0)))
-    buckets = store.key(0, "buckets")
+    buckets = store.keys.buckets(0)
     assert store.redis.zcard(buckets) >= 12
 
     assert store.cancel(ids[0]) is Change.DONE and store.reschedule(ids[5], now + 3_600_000)
@@ -111,8 +111,8 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     assert sum(r["scheduled"] for r in store.counts()) == len(left)
     for task_id in left:
         assert store.cancel(task_id) is Change.DONE
-    assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.key(0, "msg")) == 0
-    assert not list(store.redis.scan_iter(store.key(0, "t:*")))  # emptied buckets are gone, not left as keys
+    assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.keys.msgs(0)) == 0
+    assert not list(store.redis.scan_iter(store.keys.bucket(0, "*")))  # emptied buckets are gone, not left as keys
 
 
 def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
@@ -156,13 +156,13 @@ def test_a_late_copy_of_an_older_attempt_never_replaces_a_newer_one(store):
     assert store.message(task_id) == retry and store.get(task_id)["state"] == "scheduled"
     again = store.claim(p, token=1, limit=10)
     assert store.ack(p, [(task_id, again.stamp)]) == 1
-    assert store.redis.hlen(store.key(p, "attempt")) == 0  # forgotten with the task
+    assert store.redis.hlen(store.keys.attempts(p)) == 0  # forgotten with the task
 
 
 def test_reschedule_to_the_front_wakes_the_pollers(store):
     store.schedule_many(envelopes(2, "q", now_ms() + 60_000))
     pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(store.wake_channel)
+    pubsub.subscribe(store.keys.wake)
     soon = now_ms() + 1000
     store.reschedule("task-1", soon)
     message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up message")
@@ -213,7 +213,7 @@ def test_a_real_celery_message_takes_little_redis_memory(overrides):
     result = app.tasks["tasks.demo.add"].apply_async((2, 2), countdown=3600)
     info = store.get(result.id)
     assert info["stored_bytes"] < 150  # Celery's own message is over 1 KB; the original form stored 576 B
-    assert store.redis.memory_usage(store.key(info["partition"], "msg")) < 400
+    assert store.redis.memory_usage(store.keys.msgs(info["partition"])) < 400
 
 
 def test_the_largest_claims_and_acks_fit_the_scripts_variadic_calls(overrides):

@@ -10,7 +10,7 @@ from kombu.message import Message
 from redis.crc import key_slot
 
 import celery_delayed
-from celery_delayed.once import task_key
+from celery_delayed.keys import Keys
 from celery_delayed.client import DelayedPublishError
 from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor, due_ms_of, member_of, task_id_of
 
@@ -96,6 +96,6 @@ def test_stored_ids_are_16_bytes_only_for_canonical_uuids_and_always_round_trip(
 
 @pytest.mark.parametrize("task_id", [str(uuid.uuid4()), "}x{", "{a}b", "}", "plain"])
 def test_a_task_ids_run_claim_and_records_share_one_cluster_slot(task_id):
-    slots = {key_slot(task_key("cd", kind, task_id).encode()) for kind in ("run", "revoked", "done")}
+    slots = {key_slot(Keys("cd").task(kind, task_id).encode()) for kind in ("run", "revoked", "done")}
     assert len(slots) == 1
-    assert task_key("cd", "run", task_id).endswith(task_id)
+    assert Keys("cd").run(task_id).endswith(task_id)

@@ -1,0 +1,119 @@
+"""Every Redis key and etcd key celery-delayed uses, named in one place.
+
+Keys of a partition ``p`` carry ``{p}`` as their Redis Cluster hash tag, so
+one Lua script can touch them all on one node; the keys of one task id (its
+run claim, revoke and finished records) carry the CRC-32 of the id, so
+``lua/acquire.lua`` reads them together.  :data:`LAYOUT` documents each; the
+README's key table is checked against it (``tests/unit/test_keys_layout.py``).
+"""
+from __future__ import annotations
+
+import zlib
+
+#: ``(pattern, Redis type, what it holds)`` of every key, in the README's order.
+LAYOUT: tuple[tuple[str, str, str], ...] = (
+    ("<prefix>:{p}:t:<start>", "ZSET", "id -> due ms of the tasks due in the 10 s bucket starting at <start> (s)"),
+    ("<prefix>:{p}:buckets", "ZSET", "bucket start -> earliest due ms in that bucket"),
+    ("<prefix>:{p}:msg", "HASH", "id -> 4-byte bucket start + envelope"),
+    ("<prefix>:{p}:inflight", "ZSET", "id -> visibility deadline ms of a claimed task, also its claim's stamp"),
+    ("<prefix>:{p}:attempt", "HASH", "id -> attempt number of the stored copy (retries only)"),
+    ("<prefix>:{p}:fence", "STRING", "highest fencing token that has claimed the partition"),
+    ("<prefix>:{p}:stamp", "STRING", "the last claim's stamp (stamps only grow)"),
+    ("<prefix>:{p}:keys", "HASH", "replace-by-key key -> the task id scheduled under it"),
+    ("<prefix>:{p}:wait", "STRING", "a short-lived write after which WAIT/WAITAOF confirms a cluster node's replication"),
+    ("<prefix>:run:{<crc>}<id>", "STRING", "run claim: the worker running the task id, leased"),
+    ("<prefix>:revoked:{<crc>}<id>", "STRING", "the task id was revoked (kept delayed_revoke_days)"),
+    ("<prefix>:done:{<crc>}<id>", "STRING", "'F' once the task id ended, else its last attempt that retried"),
+    ("<prefix>:{dlq}:msg", "HASH", "dead letters: id -> record"),
+    ("<prefix>:{dlq}:index", "ZSET", "dead letters: id -> when parked (ms)"),
+    ("<prefix>:layout", "STRING", "partitions, bucket width and format every process must agree on"),
+    ("<prefix>:wake", "channel", "pub/sub: a sooner task was scheduled, pollers wake"),
+    ("/<prefix>/leader/<p>", "etcd", "the partition's leader (a poller id), under its lease"),
+    ("/<prefix>/pollers/<id>", "etcd", "live pollers, each under its lease"),
+    ("/<prefix>/epoch", "etcd", "fencing epoch, raised when etcd lost its data"),
+)
+
+
+class Keys:
+    """The key names of one deployment (``delayed_key_prefix``)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.wake = f"{prefix}:wake"
+        self.layout = f"{prefix}:layout"
+        self.dlq = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
+        self.etcd_root = f"/{prefix}"
+        self.pattern = f"{prefix}:*"  # every Redis key of the deployment (SCAN MATCH)
+
+    # -- a partition's keys ----------------------------------------------------
+    def of(self, partition: int, name: str) -> str:
+        """``<prefix>:{p}:<name>``."""
+        return f"{self.prefix}:{{{partition}}}:{name}"
+
+    def bucket_prefix(self, partition: int) -> str:
+        """What a bucket's start (s) follows in its key (scripts build bucket keys from it)."""
+        return self.of(partition, "t:")
+
+    def bucket(self, partition: int, start: int) -> str:
+        return self.of(partition, f"t:{start}")
+
+    def buckets(self, partition: int) -> str:
+        return self.of(partition, "buckets")
+
+    def msgs(self, partition: int) -> str:
+        return self.of(partition, "msg")
+
+    def inflight(self, partition: int) -> str:
+        return self.of(partition, "inflight")
+
+    def attempts(self, partition: int) -> str:
+        return self.of(partition, "attempt")
+
+    def fence(self, partition: int) -> str:
+        return self.of(partition, "fence")
+
+    def stamp(self, partition: int) -> str:
+        return self.of(partition, "stamp")
+
+    def key_index(self, partition: int) -> str:
+        return self.of(partition, "keys")
+
+    def wait_probe(self, partition: int) -> str:
+        return self.of(partition, "wait")
+
+    def core(self, partition: int) -> list[str]:
+        """The bucket index, message hash and inflight set: most scripts' first KEYS."""
+        return [self.buckets(partition), self.msgs(partition), self.inflight(partition)]
+
+    # -- a task id's records ---------------------------------------------------
+    def task(self, kind: str, task_id: str) -> str:
+        """``<prefix>:<kind>:{<crc>}<id>`` for ``kind`` run, revoked or done (an id may hold braces,
+        so the hash tag is its CRC-32)."""
+        return f"{self.prefix}:{kind}:{{{zlib.crc32(task_id.encode()):08x}}}{task_id}"
+
+    def run(self, task_id: str) -> str:
+        return self.task("run", task_id)
+
+    def revoked(self, task_id: str) -> str:
+        return self.task("revoked", task_id)
+
+    def done(self, task_id: str) -> str:
+        return self.task("done", task_id)
+
+    # -- etcd ------------------------------------------------------------------
+    def leader(self, partition: int) -> str:
+        return f"{self.leaders()}{partition}"
+
+    def leaders(self) -> str:
+        """The etcd prefix of the partitions' leader keys."""
+        return f"{self.etcd_root}/leader/"
+
+    def poller(self, poller_id: str) -> str:
+        return f"{self.pollers()}{poller_id}"
+
+    def pollers(self) -> str:
+        """The etcd prefix of the live pollers' keys."""
+        return f"{self.etcd_root}/pollers/"
+
+    def epoch(self) -> str:
+        return f"{self.etcd_root}/epoch"

@@ -34,12 +34,6 @@ def new_overrides(partitions: int, lease_ttl: int = 5) -> dict[str, Any]:
             "delayed_partitions": partitions, "delayed_lease_ttl": lease_ttl, "task_default_queue": tag}
 
 
-def settings_of(overrides: dict[str, Any]) -> Settings:
-    """The celery-delayed settings a poller started with ``overrides`` reads (local defaults otherwise)."""
-    return Settings.from_mapping({k[len("delayed_"):]: v for k, v in overrides.items()
-                                  if k.startswith("delayed_")})
-
-
 # -- what ran ------------------------------------------------------------------
 def versions(settings: Settings | None = None) -> dict[str, str]:
     """The machine and the versions of every server and library a run used, to print beside its figures."""

@@ -45,7 +45,7 @@ from celery_delayed.store import DelayedStore, partition_of
 from tasks.processes import Processes
 
 from .common import (RESULTS, CpuMeter, PingProbe, RedisMeter, cpu_hog, exclusive,
-                     high_watermark, make_consumer, new_overrides, plot_lags, profile_top, service_pids, settings_of,
+                     high_watermark, make_consumer, new_overrides, plot_lags, profile_top, service_pids,
                      start_py_spy, stop_py_spy, summary, topic_partitions)
 
 console = Console(width=None if Console().is_terminal else 150)
@@ -145,7 +145,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
     n, backlog = profile.tasks, profile.backlog
     name = f"{pollers} poller(s){', loaded' if loaded else ''}"
     overrides = new_overrides(profile.partitions)
-    settings = settings_of(overrides)
+    settings = Settings.from_conf(overrides)
     queue = overrides["task_default_queue"]
     topic = settings.topic(queue)
     store = DelayedStore(settings)
@@ -323,7 +323,7 @@ def lag(template: Envelope, profile: Profile, rate: int, procs: Processes, progr
         py_spy: bool) -> dict[str, Any]:
     """One poller; tasks scheduled at ``rate``/s for ``profile.duration`` s; lag of every record."""
     overrides = new_overrides(profile.partitions)
-    settings = settings_of(overrides)
+    settings = Settings.from_conf(overrides)
     queue = overrides["task_default_queue"]
     topic = settings.topic(queue)
     consumer = make_consumer(settings)

@@ -36,8 +36,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.common import RESULTS, cpu_hog, exclusive, new_overrides, plot_lags, settings_of, summary, versions
+from bench.common import RESULTS, cpu_hog, exclusive, new_overrides, plot_lags, summary, versions
 from celery_delayed.sandbox import remove_everything
+from celery_delayed.settings import Settings
 from tasks import create_app
 from tasks.processes import Processes, wait_for
 
@@ -104,7 +105,7 @@ def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str,
     finally:
         procs.stop_all()
         client.delete(f"demo:{run}:runs", f"demo:{run}:lag")
-        remove_everything(settings_of(overrides), [settings_of(overrides).topic(overrides["task_default_queue"])])
+        remove_everything(Settings.from_conf(overrides), [Settings.from_conf(overrides).topic(overrides["task_default_queue"])])
 
 
 def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path) -> dict[str, Any]:
@@ -140,7 +141,7 @@ def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path)
         procs.stop_all()
         client.delete(f"demo:{run}:runs", f"demo:{run}:lag", f"demo:{run}:hops", f"demo:{run}-warm:runs",
                       f"demo:{run}-warm:lag", f"demo:{run}-warm:hops")
-        remove_everything(settings_of(overrides), [settings_of(overrides).topic(overrides["task_default_queue"])])
+        remove_everything(Settings.from_conf(overrides), [Settings.from_conf(overrides).topic(overrides["task_default_queue"])])
 
 
 def profile(name: str, n: int, rate: int, duration: float, repeat: int, progress: Progress,

@@ -35,9 +35,10 @@ from rich.table import Table
 
 from celery_delayed.envelope import Envelope, deflate
 from celery_delayed.sandbox import unlink_prefix
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
-from .common import RESULTS, exclusive, new_overrides, settings_of
+from .common import RESULTS, exclusive, new_overrides
 from .dispatch import capture_template, envelope_bytes, git_state
 
 console = Console(width=None if Console().is_terminal else 150)
@@ -95,7 +96,7 @@ def wait_for_lazyfree(client: redis.Redis, timeout: float = 300.0) -> None:
 def measure(template: Envelope, n: int, partitions: int, spread_hours: float, progress: Progress) -> dict[str, Any]:
     """Encode and store ``n`` tasks in a fresh key prefix; rate, memory, then UNLINK everything."""
     overrides = new_overrides(partitions)
-    settings = settings_of(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     items, encode_s = encode(template, overrides["task_default_queue"], n, spread_hours, settings.compress_min_bytes,
                              progress)

@@ -123,14 +123,15 @@ class Settings:
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
         """Read and validate ``delayed_*`` settings from ``app.conf``."""
-        conf = app.conf
-        values = {}
-        for f in dataclasses.fields(cls):
-            key = PREFIX + f.name
-            value = conf.get(key)
-            if value is not None:
-                values[f.name] = value
-        return cls.from_mapping(values)
+        return cls.from_conf(app.conf)
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any], **changes: Any) -> "Settings":
+        """Read and validate the ``delayed_*`` keys of a Celery configuration (``app.conf``, or a
+        dict of settings as a ``celeryconfig`` holds them; other keys are left alone), with
+        ``changes`` (unprefixed names) on top."""
+        values = {f.name: conf[PREFIX + f.name] for f in dataclasses.fields(cls) if conf.get(PREFIX + f.name) is not None}
+        return cls.from_mapping({**values, **changes})
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Settings":

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
 from .support import ROOT, envelopes, environment
-from .test_poller import settings_for
 
 
 def celery(overrides: dict, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
@@ -48,7 +48,7 @@ def test_no_command_prints_a_secret_of_the_settings(overrides, env, shown):
 
 
 def test_status_counts_scheduled_tasks(overrides):
-    settings = settings_for(overrides, partitions=4)
+    settings = Settings.from_conf(overrides, partitions=4)
     DelayedStore(settings).schedule_many(envelopes(7, "q", int(time.time() * 1000) + 60_000))
     done = celery(overrides, "delayed", "status", "--json")
     assert done.returncode == 0, done.stderr

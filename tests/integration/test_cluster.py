@@ -13,18 +13,19 @@ import pytest
 import redis
 
 from celery_delayed import store_of
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, StoreNotDurable
 from tasks import create_app
 
 from .support import envelopes, wait_for
-from .test_poller import settings_for
+
 
 pytestmark = pytest.mark.parametrize("store_redis", ["cluster"], indirect=True)
 
 
 @pytest.fixture
 def store(overrides) -> DelayedStore:
-    return DelayedStore(settings_for(overrides, partitions=16))
+    return DelayedStore(Settings.from_conf(overrides, partitions=16))
 
 
 def nodes(store: DelayedStore) -> dict[int, redis.Redis]:
@@ -96,9 +97,9 @@ def test_tasks_scheduled_on_the_cluster_are_dispatched_and_run_once(overrides, p
 def test_schedule_wait_waits_for_each_written_primarys_replica(overrides):
     """``delayed_schedule_wait`` on a cluster: every primary has one replica, so replicas=1 is met on all
     of them and replicas=2 on none (a wait that went to a node without those writes would pass at once)."""
-    store = DelayedStore(settings_for(overrides, partitions=16, schedule_wait="replicas=1,timeout=2"))
+    store = DelayedStore(Settings.from_conf(overrides, partitions=16, schedule_wait="replicas=1,timeout=2"))
     assert store.schedule_many(envelopes(300, "q", store.now_ms() + 60_000)) == 300
-    strict = DelayedStore(settings_for(overrides, partitions=16, schedule_wait="replicas=2,timeout=0.3"))
+    strict = DelayedStore(Settings.from_conf(overrides, partitions=16, schedule_wait="replicas=2,timeout=0.3"))
     started = time.monotonic()
     with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 1 of 2 replicas acknowledged it"):
         strict.schedule_many(envelopes(10, "q", store.now_ms() + 60_000, prefix="strict"))

@@ -13,11 +13,12 @@ from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
 from celery_delayed.once import remember_revoked
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 from tasks import create_app
 
 from .support import ROOT, envelopes, environment, wait_for
-from .test_poller import settings_for
+
 
 GARBAGE = b"\x80not an envelope"
 pytestmark = pytest.mark.cluster_too
@@ -27,7 +28,7 @@ TRACEBACK = "Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyErr
 
 @pytest.fixture
 def letters(overrides) -> DeadLetters:
-    return DeadLetters(DelayedStore(settings_for(overrides)))
+    return DeadLetters(DelayedStore(Settings.from_conf(overrides)))
 
 
 def park(letters: DeadLetters, n: int, prefix: str = "task") -> dict[str, bytes]:
@@ -171,7 +172,7 @@ def test_purge_one_and_all(letters):
 
 
 def test_the_queue_keeps_its_newest_letters_within_max_entries(overrides):
-    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_entries=5)))
+    letters = DeadLetters(DelayedStore(Settings.from_conf(overrides, dlq_max_entries=5)))
     for i in range(8):
         park(letters, 1, prefix=f"t{i}")
         time.sleep(0.002)  # ordered by Redis time in ms
@@ -181,7 +182,7 @@ def test_the_queue_keeps_its_newest_letters_within_max_entries(overrides):
 
 
 def test_letters_older_than_max_age_are_dropped_as_new_ones_arrive(overrides):
-    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_age=1.0)))
+    letters = DeadLetters(DelayedStore(Settings.from_conf(overrides, dlq_max_age=1.0)))
     park(letters, 3, prefix="old")
     assert 0 <= letters.oldest_age() < 1.0
     time.sleep(1.2)
@@ -192,8 +193,8 @@ def test_letters_older_than_max_age_are_dropped_as_new_ones_arrive(overrides):
 
 def test_a_long_queue_is_trimmed_a_bounded_number_at_a_time(overrides, monkeypatch):
     monkeypatch.setattr(dlq_module, "TRIM_LIMIT", 3)
-    park(DeadLetters(DelayedStore(settings_for(overrides))), 10)  # parked with no limit in force
-    letters = DeadLetters(DelayedStore(settings_for(overrides, dlq_max_entries=2)))
+    park(DeadLetters(DelayedStore(Settings.from_conf(overrides))), 10)  # parked with no limit in force
+    letters = DeadLetters(DelayedStore(Settings.from_conf(overrides, dlq_max_entries=2)))
     park(letters, 1, prefix="a")
     assert letters.count() == 11 - 3  # at most TRIM_LIMIT dropped per letter parked
     for i in range(3):

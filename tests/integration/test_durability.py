@@ -13,10 +13,11 @@ import redis
 from celery_delayed.durability import preflight, worker_preflight
 from celery_delayed.poller import Poller
 from celery_delayed.settings import ConfigurationError
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, StoreNotDurable
 
 from .support import envelopes, run_briefly
-from .test_poller import now_ms, settings_for
+from .test_poller import now_ms
 
 
 @contextmanager
@@ -32,7 +33,7 @@ def maxmemory_policy(url: str, policy: str) -> Iterator[None]:
 
 
 def test_poller_and_worker_refuse_a_redis_that_evicts(overrides, processes):
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     with maxmemory_policy(settings.redis_url, "allkeys-lru"):
         refused = run_briefly(Poller(settings))
         assert isinstance(refused, ConfigurationError)
@@ -42,18 +43,18 @@ def test_poller_and_worker_refuse_a_redis_that_evicts(overrides, processes):
         worker = processes.worker()
         assert worker.wait(timeout=60) != 0  # a real worker stops at start
         assert "may evict scheduled tasks" in processes.log(worker)
-        preflight(DelayedStore(settings_for(overrides, allow_eviction=True)), "poller")  # allowed: starts
+        preflight(DelayedStore(Settings.from_conf(overrides, allow_eviction=True)), "poller")  # allowed: starts
     preflight(DelayedStore(settings), "poller")  # noeviction again: starts
 
 
 def test_a_redis_that_refuses_config_get_is_logged_as_unchecked(overrides, caplog):
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     admin = redis.Redis.from_url(settings.redis_url)
     user, password = f"nocfg-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"],
                       commands=["+@all", "-config"])
     try:
-        limited = settings_for(overrides, redis_url=settings.redis_url.replace("//", f"//{user}:{password}@"))
+        limited = Settings.from_conf(overrides, redis_url=settings.redis_url.replace("//", f"//{user}:{password}@"))
         with caplog.at_level(logging.WARNING, logger="celery_delayed.durability"):
             preflight(DelayedStore(limited), "worker")
     finally:
@@ -62,14 +63,14 @@ def test_a_redis_that_refuses_config_get_is_logged_as_unchecked(overrides, caplo
 
 
 def test_schedule_wait_for_no_replica_returns_at_once(overrides):
-    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=0,timeout=5"))
+    store = DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=0,timeout=5"))
     started = time.monotonic()
     assert store.schedule_many(envelopes(10, "q", now_ms() + 60_000)) == 10
     assert time.monotonic() - started < 2
 
 
 def test_schedule_wait_for_a_missing_replica_fails_after_its_timeout(overrides):
-    store = DelayedStore(settings_for(overrides, schedule_wait="replicas=1,timeout=0.3"))
+    store = DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=1,timeout=0.3"))
     assert store.redis.info("replication")["connected_slaves"] == 0
     started = time.monotonic()
     with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 0 of 1 replicas acknowledged it"):
@@ -82,7 +83,7 @@ def test_schedule_wait_for_a_missing_replica_fails_after_its_timeout(overrides):
 
 
 def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):
-    store = DelayedStore(settings_for(overrides, schedule_wait="aof"))
+    store = DelayedStore(Settings.from_conf(overrides, schedule_wait="aof"))
     version = store.redis.info("server")["redis_version"]
     if tuple(map(int, version.split(".")[:2])) >= (7, 2):
         pytest.skip(f"Redis {version} has WAITAOF: the refusal on older ones cannot be shown here")

@@ -6,10 +6,11 @@ import time
 import pytest
 
 from celery_delayed.leadership import EPOCH_SCALE, Leadership, make_etcd
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
 from .support import ETCD3_ENDPOINTS, TopicReader, envelopes, leaders, wait_for
-from .test_poller import leading_one_partition, now_ms, settings_for
+from .test_poller import leading_one_partition, now_ms
 
 
 @pytest.mark.parametrize("service", ["etcd", "etcd3"])
@@ -18,7 +19,7 @@ def test_etcd_wiped_dispatch_resumes_under_a_new_fencing_epoch(overrides, proces
     servers.require_ours(service)
     if service == "etcd3":
         overrides.update(delayed_etcd_endpoints=ETCD3_ENDPOINTS)
-    settings = settings_for(overrides)  # lease TTL 2 s, 4 partitions
+    settings = Settings.from_conf(overrides)  # lease TTL 2 s, 4 partitions
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))

@@ -7,17 +7,18 @@ import pytest
 
 from celery_delayed.durability import preflight
 from celery_delayed.poller import Poller
+from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore, LayoutMismatch
 
 from .support import envelopes, run_briefly
 from .test_cli import celery
-from .test_poller import now_ms, settings_for
+from .test_poller import now_ms
 
 pytestmark = pytest.mark.cluster_too
 
 
 def scheduled_with_four_partitions(overrides: dict) -> DelayedStore:
-    store = DelayedStore(settings_for(overrides, partitions=4))
+    store = DelayedStore(Settings.from_conf(overrides, partitions=4))
     assert store.schedule_many(envelopes(20, overrides["task_default_queue"], now_ms() + 60_000)) == 20
     return store
 
@@ -25,12 +26,12 @@ def scheduled_with_four_partitions(overrides: dict) -> DelayedStore:
 def test_store_with_another_partition_count_is_refused_and_changes_nothing(overrides):
     store = scheduled_with_four_partitions(overrides)
     layout = store.redis.get(store.keys.layout)
-    other = DelayedStore(settings_for(overrides, partitions=2))
+    other = DelayedStore(Settings.from_conf(overrides, partitions=2))
     for attempt in (lambda: other.schedule_many(envelopes(5, "q", now_ms(), prefix="new")),
                     lambda: other.cancel("task-0"), other.counts, lambda: other.reschedule("task-1", now_ms())):
         with pytest.raises(LayoutMismatch, match=r"laid out with delayed_partitions=4 \(this process: 2\)"):
             attempt()
-    refused = run_briefly(Poller(settings_for(overrides, partitions=2)))  # refused before leading anything
+    refused = run_briefly(Poller(Settings.from_conf(overrides, partitions=2)))  # refused before leading anything
     assert isinstance(refused, LayoutMismatch) and "drain the store" in str(refused)
     assert sum(r["scheduled"] for r in store.counts()) == 20
     assert store.get("task-0")["state"] == "scheduled" and store.get("new-0") is None
@@ -49,7 +50,7 @@ def test_cli_with_another_partition_count_prints_one_line(overrides):
 
 
 def test_poller_on_a_prefix_nothing_was_scheduled_under_says_so(overrides, caplog):
-    store = DelayedStore(settings_for(overrides))
+    store = DelayedStore(Settings.from_conf(overrides))
     with caplog.at_level(logging.WARNING, logger="celery_delayed.durability"):
         preflight(store, "poller")
         preflight(DelayedStore(store.settings), "poller")  # the layout exists now: no second warning

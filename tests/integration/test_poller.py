@@ -21,11 +21,6 @@ from tasks import create_app
 from .support import TopicReader, envelopes, leaders, wait_for
 
 
-def settings_for(overrides: dict, **extra) -> Settings:
-    values = {k[len("delayed_"):]: v for k, v in overrides.items() if k.startswith("delayed_")}
-    return Settings.from_mapping({**values, **extra})
-
-
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -48,7 +43,7 @@ def too_big(task_id: str, queue: str) -> bytes:
 def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
     n = 100_000
     overrides.update(delayed_partitions=8, delayed_visibility_timeout=3)
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -81,7 +76,7 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
 def leading_one_partition(overrides: dict) -> tuple[Settings, DelayedStore, Leadership, int, Poller]:
     """One partition holding a due task, led by an in-process poller (not running): settings, store,
     the leader, its token and its poller."""
-    settings = settings_for(overrides, partitions=1)
+    settings = Settings.from_conf(overrides, partitions=1)
     store = DelayedStore(settings)
     store.schedule_many(envelopes(1, overrides["task_default_queue"], now_ms() - 1000))
     leader = Leadership(settings)
@@ -109,7 +104,7 @@ def test_ex_leader_whose_lease_was_revoked_cannot_claim(overrides):
 
 def test_sigterm_hands_partitions_over_without_waiting_for_the_ttl(overrides, processes):
     overrides.update(delayed_lease_ttl=15)
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     first = processes.poller()
     wait_for(lambda: set(leaders(settings).values()) == {first.pid}, 30, "the first poller to lead")
     second = processes.poller()
@@ -134,7 +129,7 @@ def test_sigterm_hands_partitions_over_without_waiting_for_the_ttl(overrides, pr
 
 def test_no_dispatch_while_etcd_is_down_then_recovery(overrides, processes, servers):
     servers.require_ours("etcd")
-    settings = settings_for(overrides)  # lease TTL 2 s
+    settings = Settings.from_conf(overrides)  # lease TTL 2 s
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -157,7 +152,7 @@ def test_no_dispatch_while_etcd_is_down_then_recovery(overrides, processes, serv
 
 def test_kafka_outage_loses_nothing_and_dispatch_resumes(overrides, processes, servers):
     servers.require_ours("kafka")
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     poller = processes.poller()
@@ -180,7 +175,7 @@ def test_kafka_outage_loses_nothing_and_dispatch_resumes(overrides, processes, s
 
 def test_undecodable_stored_message_goes_to_the_dead_letter_queue(overrides, processes):
     overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -198,7 +193,7 @@ def test_undecodable_stored_message_goes_to_the_dead_letter_queue(overrides, pro
 
 def test_overdue_backlog_drains_at_the_configured_rate(overrides, processes):
     overrides.update(delayed_max_dispatch_rate=500)
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
     DelayedStore(settings).schedule_many(envelopes(2000, queue, now_ms() - 60_000))  # an outage's backlog
@@ -215,7 +210,7 @@ def test_poller_metrics_endpoint(overrides, processes):
     import urllib.request
 
     port = 19400 + os.getpid() % 500
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
     DelayedStore(settings).schedule_many(envelopes(20, queue, now_ms()))
@@ -240,7 +235,7 @@ def test_poller_metrics_endpoint(overrides, processes):
 
 def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processes):
     overrides.update(delayed_partitions=1)  # the poller's too: the store's layout is checked
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     topic = small_topic(settings, queue)
@@ -257,7 +252,7 @@ def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processe
 
 def test_a_poison_pill_is_dead_lettered_with_a_failure_result_and_the_poller_lives_on(overrides, processes):
     overrides.update(delayed_partitions=1)
-    settings = settings_for(overrides)
+    settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
@@ -281,7 +276,7 @@ def test_a_poison_pill_is_dead_lettered_with_a_failure_result_and_the_poller_liv
 
 def test_a_task_kafka_refuses_fails_its_result_instead_of_hanging(overrides, processes):
     app = create_app(**overrides)
-    small_topic(settings_for(overrides), overrides["task_default_queue"])
+    small_topic(Settings.from_conf(overrides), overrides["task_default_queue"])
     refused = app.tasks["tasks.demo.add"].apply_async((base64.b64encode(os.urandom(3000)).decode(), "x"),
                                                        countdown=1.5)
     processes.poller()

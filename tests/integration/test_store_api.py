@@ -7,17 +7,18 @@ from datetime import datetime, timezone
 
 import pytest
 
+from celery_delayed.settings import Settings
 from celery_delayed.store import MAX_PAGE, Change, DelayedStore, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for
-from .test_poller import settings_for
+
 
 pytestmark = pytest.mark.cluster_too
 
 
 @pytest.fixture
 def store(overrides) -> DelayedStore:
-    yield DelayedStore(settings_for(overrides))
+    yield DelayedStore(Settings.from_conf(overrides))
 
 
 def now_ms() -> int:
@@ -75,7 +76,7 @@ def test_cancel_reschedule_and_get(store):
 def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     """Tasks spread over a dozen 10 s buckets of one partition (UUID ids, stored as 16 bytes):
     cancel, reschedule, claim, nack and an expired claim each leave the index exact."""
-    store = DelayedStore(settings_for(overrides, partitions=1, visibility_timeout=1))
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1, visibility_timeout=1))
     now = now_ms()
     ids = [str(uuid.uuid4()) for _ in range(60)]
     dues = [now - 60_000 + 2000 * i for i in range(30)] + [now + 30_000 + 2000 * i for i in range(30)]
@@ -219,7 +220,7 @@ def test_a_real_celery_message_takes_little_redis_memory(overrides):
 def test_the_largest_claims_and_acks_fit_the_scripts_variadic_calls(overrides):
     """claim.lua and ack.lua move a batch per command: 5000 tasks claimed in one call and 15,000
     acked (or nacked) in one are more values than Lua's ``unpack`` takes at once (~8000)."""
-    store = DelayedStore(settings_for(overrides, partitions=1))
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
     store.schedule_many(envelopes(15_000, "q", now_ms() - 60_000))
     claims = [store.claim(0, 1, 5000) for _ in range(3)]
     assert [len(c.items) for c in claims] == [5000] * 3

@@ -119,8 +119,8 @@ class KafkaFeed:
     def __init__(self, c: Any, claims: RunClaims | None = None) -> None:
         amqp: AMQP = c.app.amqp
         self.c = c
-        self.settings: Settings = getattr(amqp, "delayed_settings", None) or Settings.from_app(c.app)
-        self.store = DelayedStore(self.settings)
+        self.store: DelayedStore = amqp.delayed_store  # the app's, shared with its other users in the process
+        self.settings: Settings = self.store.settings
         self.dead_letters = DeadLetters(self.store)
         self.claims = claims or RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
                                           lease_s=self.settings.run_lease)

@@ -13,7 +13,7 @@ from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
 
 from .support import TopicReader, envelopes, wait_for
-from .test_poller import now_ms, settings_for, small_topic, too_big
+from .test_poller import now_ms, small_topic, too_big
 
 
 class Wrapped:
@@ -91,7 +91,7 @@ def dispatch_with(settings: Settings, queue: str, producer: Wrapped, n: int = 5)
 
 
 def test_a_transient_produce_error_defers_the_task_and_it_is_delivered(overrides):
-    settings = settings_for(overrides, partitions=1)
+    settings = Settings.from_conf(overrides, partitions=1)
     producer = RaisesOnce(make_producer(settings), KafkaError(KafkaError._TRANSPORT, "injected: broker went away"))
     poller = dispatch_with(settings, overrides["task_default_queue"], producer)
     assert producer.raised == 1
@@ -99,23 +99,23 @@ def test_a_transient_produce_error_defers_the_task_and_it_is_delivered(overrides
 
 
 def test_a_fatal_produce_error_replaces_the_producer_and_nothing_is_dead_lettered(overrides):
-    settings = settings_for(overrides, partitions=1)
+    settings = Settings.from_conf(overrides, partitions=1)
     fatal = KafkaError(KafkaError._FATAL, "injected: fatal idempotent producer error", fatal=True)
     producer = RaisesOnce(make_producer(settings), fatal, sticky=True)
     poller = dispatch_with(settings, overrides["task_default_queue"], producer)
     assert poller.stats["producer_replaced"] == 1
-    assert type(poller.producer) is Producer  # the wrapper, for ever fatal, is gone
+    assert type(poller.delivery.producer) is Producer  # the wrapper, for ever fatal, is gone
 
 
 def test_a_fatal_error_in_a_delivery_report_replaces_the_producer(overrides):
-    settings = settings_for(overrides, partitions=1)
+    settings = Settings.from_conf(overrides, partitions=1)
     poller = dispatch_with(settings, overrides["task_default_queue"], FatalReport(make_producer(settings)))
     assert poller.stats["producer_replaced"] == 1
-    assert type(poller.producer) is Producer
+    assert type(poller.delivery.producer) is Producer
 
 
 def test_a_full_local_queue_while_resending_a_refused_batch_alone_is_waited_out(overrides):
-    settings = settings_for(overrides, partitions=1)
+    settings = Settings.from_conf(overrides, partitions=1)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, small_topic(settings, queue))

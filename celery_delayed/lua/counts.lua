@@ -7,12 +7,13 @@
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] now ms   ARGV[3] bucket width s
 -- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1}.
-local now = tonumber(ARGV[2])
-local current = math.floor(now / 1000 / tonumber(ARGV[3])) * tonumber(ARGV[3])
-local inflight = redis.call('ZCARD', KEYS[3])
+local index, msgs, inflight_key = KEYS[1], KEYS[2], KEYS[3]
+local prefix, now, width = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local current = math.floor(now / 1000 / width) * width
+local inflight = redis.call('ZCARD', inflight_key)
 local overdue, upcoming = 0, nil
-for _, b in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
-  local key = ARGV[1] .. b
+for _, b in ipairs(redis.call('ZRANGE', index, '-inf', now, 'BYSCORE')) do
+  local key = prefix .. b
   if tonumber(b) < current then
     overdue = overdue + redis.call('ZCARD', key)
   else
@@ -21,9 +22,9 @@ for _, b in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
     if later[2] then upcoming = tonumber(later[2]) end
   end
 end
-local next_bucket = redis.call('ZRANGE', KEYS[1], '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+local next_bucket = redis.call('ZRANGE', index, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
 if next_bucket[2] and (upcoming == nil or tonumber(next_bucket[2]) < upcoming) then
   upcoming = tonumber(next_bucket[2])
 end
-local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {redis.call('HLEN', KEYS[2]) - inflight, inflight, overdue, head[2] and tonumber(head[2]) or -1, upcoming or -1}
+local head = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
+return {redis.call('HLEN', msgs) - inflight, inflight, overdue, head[2] and tonumber(head[2]) or -1, upcoming or -1}

@@ -2,7 +2,8 @@
 --
 -- KEYS[1] run claim key   ARGV[1] owner   ARGV[2] lease ms
 -- Returns 1 when extended, 0 when the claim is not ours (any more).
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local claim, owner, lease = KEYS[1], ARGV[1], ARGV[2]
+if redis.call('GET', claim) == owner then
+  return redis.call('PEXPIRE', claim, lease)
 end
 return 0

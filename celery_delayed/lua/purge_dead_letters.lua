@@ -3,6 +3,7 @@
 --
 -- KEYS[1] dead-letter HASH   KEYS[2] index ZSET
 -- Returns how many dead letters there were.
-local n = redis.call('ZCARD', KEYS[2])
-redis.call('UNLINK', KEYS[1], KEYS[2])
+local letters, index = KEYS[1], KEYS[2]
+local n = redis.call('ZCARD', index)
+redis.call('UNLINK', letters, index)
 return n

@@ -3,7 +3,8 @@
 --
 -- KEYS[1] run claim key   ARGV[1] owner
 -- Returns 1 when released, 0 otherwise.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+local claim, owner = KEYS[1], ARGV[1]
+if redis.call('GET', claim) == owner then
+  return redis.call('DEL', claim)
 end
 return 0

@@ -5,7 +5,8 @@
 --
 -- KEYS[1] result key   ARGV[1] encoded meta (JSON)   ARGV[2] expiry seconds (0 = none)
 -- Returns 1 when written, 0 when a terminal result was kept.
-local current = redis.call('GET', KEYS[1])
+local key, value, expires = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local current = redis.call('GET', key)
 if current then
   local ok, meta = pcall(cjson.decode, current)
   if ok and type(meta) == 'table' and
@@ -13,10 +14,10 @@ if current then
     return 0
   end
 end
-if tonumber(ARGV[2]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if expires > 0 then
+  redis.call('SET', key, value, 'EX', expires)
 else
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', key, value)
 end
-redis.call('PUBLISH', KEYS[1], ARGV[1])
+redis.call('PUBLISH', key, value)
 return 1

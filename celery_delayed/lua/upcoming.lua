@@ -8,21 +8,21 @@
 -- ARGV[3] start due ms ('' = from the earliest)   ARGV[4] tasks due exactly at the start to skip
 -- ARGV[5] most tasks to return
 -- Returns {id, due_ms, id, due_ms, ...}.
-local width, count = tonumber(ARGV[2]), tonumber(ARGV[5])
-local start, skip = '-inf', tonumber(ARGV[4])
-local from = '-inf'
-if ARGV[3] ~= '' then
-  start = tonumber(ARGV[3])
+local index = KEYS[1]
+local prefix, width, first, skip, count = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local start, from = '-inf', '-inf'
+if first ~= '' then
+  start = tonumber(first)
   from = math.floor(start / 1000 / width) * width * 1000
 end
 local out, offset = {}, 0
 while #out < 2 * count do
-  local buckets = redis.call('ZRANGE', KEYS[1], from, '+inf', 'BYSCORE', 'LIMIT', offset, 64)
+  local buckets = redis.call('ZRANGE', index, from, '+inf', 'BYSCORE', 'LIMIT', offset, 64)
   if #buckets == 0 then break end
   offset = offset + #buckets
   for _, b in ipairs(buckets) do
     local want = count - #out / 2 + skip
-    local rows = redis.call('ZRANGE', ARGV[1] .. b, start, '+inf', 'BYSCORE', 'LIMIT', 0, want, 'WITHSCORES')
+    local rows = redis.call('ZRANGE', prefix .. b, start, '+inf', 'BYSCORE', 'LIMIT', 0, want, 'WITHSCORES')
     for i = 1, #rows, 2 do
       if skip > 0 and tonumber(rows[i + 1]) == start then
         skip = skip - 1

@@ -74,6 +74,8 @@ def test_show_cancel_and_upcoming(overrides):
 
 
 def test_an_unreachable_store_is_a_one_line_error(overrides):
-    done = celery(overrides, "delayed", "status", DELAYED_REDIS_URL="redis://127.0.0.1:1/0")
-    assert done.returncode == 1
-    assert "delayed store at redis://127.0.0.1:1/0 unavailable" in done.stderr and "Traceback" not in done.stderr
+    for command in (["status"], ["upcoming"], ["dlq", "list"], ["dlq", "show", "x"], ["dlq", "purge", "x"]):
+        done = celery(overrides, "delayed", *command, DELAYED_REDIS_URL="redis://127.0.0.1:1/0")
+        assert done.returncode == 1, command
+        assert "delayed store at redis://127.0.0.1:1/0 unavailable" in done.stderr, (command, done.stderr)
+        assert "Traceback" not in done.stderr, command

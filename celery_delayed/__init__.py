@@ -20,9 +20,10 @@ from .dlq import DeadLetter, DeadLetters
 from .envelope import Envelope, EnvelopeError
 from .failures import park_failures
 from .once import remember_finished
+from .outcomes import LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight, TaskNotScheduled
 from .revoke import DelayedControl
 from .settings import ConfigurationError, Settings
-from .store import DelayedStore, LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight, TaskNotScheduled
+from .store import DelayedStore
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ from celery.utils import uuid
 from celery.utils.time import utcoffset
 
 from .client import DelayedAMQP, batching
-from .store import write_retrying
+from .outcomes import write_retrying
 
 #: Signatures sent per chunk: their tasks are stored in one pipelined write.
 CHUNK = 1000

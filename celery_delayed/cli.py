@@ -23,10 +23,11 @@ from rich.text import Text
 
 from . import store_of
 from .dlq import DeadLetterError, DeadLetters
+from .outcomes import Change, StoreUnavailable
 from .poller import Poller
-from .settings import ConfigurationError, Settings
 from .revoke import cancel_scheduled
-from .store import MAX_PAGE, Change, DelayedStore, StoreUnavailable
+from .settings import ConfigurationError, Settings
+from .store import MAX_PAGE, DelayedStore
 
 console = Console()
 

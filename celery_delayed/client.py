@@ -28,9 +28,10 @@ from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
 from .once import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing, is_revoked
+from .outcomes import Change, Stored, write_retrying
 from .revoke import cancel_scheduled, record_revoked
 from .settings import RECORD_OVERHEAD, Settings
-from .store import Change, DelayedStore, Stored, write_retrying
+from .store import DelayedStore
 
 #: Longest replace-by-key key (characters).
 MAX_KEY_LENGTH = 512

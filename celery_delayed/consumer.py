@@ -37,11 +37,13 @@ from .dlq import DeadLetter, DeadLetters, reason_of
 from .durability import worker_preflight
 from .envelope import Envelope
 from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
+from .layout import iso_of
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admission, Admit, Copy, RunClaims, Verdict, attempt_of
+from .outcomes import STORE_ERRORS
 from .revoke import record_revoked
 from .settings import Settings
-from .store import STORE_ERRORS, DelayedStore, iso_of
+from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from . import metrics
 from .dlq import DeadLetter, DeadLetters, ResultBackend
 from .envelope import queue_of
 from .kafka import Verdict, classify, ensure_topics, make_producer
+from .outcomes import STORE_ERRORS
 from .settings import Settings
-from .store import STORE_ERRORS, DelayedStore
+from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import logging
 
 import redis
 
+from .outcomes import STORE_ERRORS
 from .settings import ConfigurationError
-from .store import STORE_ERRORS, DelayedStore
+from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
 

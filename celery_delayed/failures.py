@@ -24,7 +24,7 @@ from celery import Celery, Task, signals
 from .dlq import DeadLetter, DeadLetters, reason_of
 from .envelope import Envelope, serialize
 from .once import executing
-from .store import write_retrying
+from .outcomes import write_retrying
 
 logger = logging.getLogger(__name__)
 

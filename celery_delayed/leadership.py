@@ -36,8 +36,8 @@ import pyetcd
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from .keys import Keys
+from .layout import partition_of
 from .settings import Settings
-from .store import partition_of
 
 logger = logging.getLogger(__name__)
 

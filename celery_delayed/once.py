@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 from celery import Celery, Task, signals, states
 from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend
 
+from .outcomes import STORE_ERRORS
 from .redis_client import execute
-from .store import STORE_ERRORS, DelayedStore
+from .store import DelayedStore
 
 #: The header naming a task's replace-by-key key: at most one task per key is scheduled.
 KEY_HEADER = "delayed_key"

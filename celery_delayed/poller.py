@@ -27,8 +27,9 @@ from .dlq import ResultBackend
 from .durability import preflight
 from .kafka import CLAIMED_HEADER, DUE_HEADER
 from .leadership import Leadership
+from .outcomes import STORE_ERRORS, Fenced
 from .settings import Settings
-from .store import STORE_ERRORS, Claim, DelayedStore, Fenced
+from .store import Claim, DelayedStore
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from kombu.serialization import prepare_accept_content
 
 from .envelope import Envelope, EnvelopeError
 from .once import remember_revoked
-from .store import Change
+from .outcomes import Change
 
 logger = logging.getLogger(__name__)
 

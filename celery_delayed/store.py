@@ -10,7 +10,7 @@ tasks is one compact listpack, ~30 B per task.  Ten-second buckets hold a
 partition's tasks that way up to ~12 tasks/s of due times per partition
 (~17M a day with 16 partitions); a denser bucket is an ordinary sorted set.
 Ids are stored as their 16 bytes when they are canonical UUIDs (Celery's
-default), saving ~40 B more per task (:func:`member_of`).
+default), saving ~40 B more per task (:func:`.layout.member_of`).
 
 Every change touching more than one key is a Lua script from ``lua/``.
 """
@@ -20,23 +20,24 @@ import heapq
 import itertools
 import logging
 import math
-import struct
-import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum, IntEnum
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sized
+from datetime import datetime
+from typing import Any, Callable, Iterable, Iterator, Sized
 
 import redis
-from kombu.utils.functional import retry_over_time
 
 from .envelope import Envelope
 from .keys import Keys
+from .layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of, iso_of, member_of,
+                     partition_of, task_id_of)
+from .outcomes import Change, Fenced, LayoutMismatch, Stored, StoreNotDurable, StoreUnavailable
 from .redis_client import UNREACHABLE, connect, execute
 from .scripts import Scripts
 from .settings import ConfigurationError, Settings, redact_url
+
+logger = logging.getLogger(__name__)
 
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
 #: when due times are spread out), so a call stalls other clients ~2 ms at most
@@ -51,99 +52,6 @@ SENDERS = 2
 SCRIPT_PAIRS = 1000
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
-#: Width of the time buckets (see the module docstring).  Part of the stored
-#: layout: every process of a deployment must use the same value.
-BUCKET_SECONDS = 10
-#: Version of the stored format (key names, message prefix, member encoding): part of the layout.
-LAYOUT_FORMAT = 1
-#: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
-_BUCKET = struct.Struct(">I")
-#: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
-MAX_DUE_MS = 2**32 * 1000
-
-
-class StoreUnavailable(RuntimeError):
-    """The delayed store's Redis could not be reached; nothing was written.
-
-    Not an ``OSError``: Celery's ``send_task`` would turn one into kombu's
-    ``OperationalError``, as if the broker were down.
-    """
-
-
-class StoreNotDurable(StoreUnavailable):
-    """A schedule write was not confirmed durable in time (``delayed_schedule_wait``).
-
-    It is stored on the primary, but may be lost if the primary fails now;
-    scheduling the same tasks again is safe (stored ids are kept).
-    """
-
-
-#: What a call to the store's Redis raises when it should simply be tried again later:
-#: unreachable (standalone or cluster), read-only after a failover, out of memory...
-STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
-#: Longest wait (s) between tries of a store write that is never given up while the store is
-#: down: a running task's retry, or its dead letter (given up, the task would be lost).
-PERSIST_MAX_INTERVAL = 2.0
-
-logger = logging.getLogger(__name__)
-
-
-def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None = None, *,
-                   failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False) -> Any:
-    """``write(*args, **kwargs)``, tried again while the store refuses it, each refusal logged as
-    ``failed`` with the error and the wait.  ``policy`` has the fields of Celery's publish retry
-    policy; ``forever`` ignores its ``max_retries`` and waits up to :data:`PERSIST_MAX_INTERVAL`."""
-    policy = policy or {}
-
-    def on_error(exc: Exception, intervals: Any, retries: int) -> float:
-        wait = next(intervals)
-        logger.warning("%s (%s); retry %d in %.1f s", failed, exc, retries + 1, wait)
-        return wait
-
-    return retry_over_time(
-        write, STORE_ERRORS, args=args, kwargs=dict(kwargs or {}), errback=on_error,
-        max_retries=None if forever else policy.get("max_retries", 3),
-        interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
-        interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
-
-
-class LayoutMismatch(ConfigurationError):
-    """The store's Redis was laid out with other settings than this process's: it must not touch it."""
-
-
-class Fenced(RuntimeError):
-    """A newer leader owns the partition: this poller must stop dispatching it."""
-
-
-class TaskNotScheduled(LookupError):
-    """The store holds no task with that id (never scheduled, or already dispatched)."""
-
-
-class TaskInFlight(RuntimeError):
-    """A poller is dispatching the task: the store can no longer change it."""
-
-
-class Change(IntEnum):
-    """What ``cancel.lua`` and ``reschedule.lua`` answer for one task id (their headers use these numbers)."""
-
-    DONE = 1  # cancelled, or moved to its new due time
-    UNKNOWN = 0  # the store holds no task with that id
-    IN_FLIGHT = -1  # a poller is dispatching it: the store can no longer change it
-
-    def check(self, task_id: str, verb: str) -> None:
-        """Raise :class:`TaskNotScheduled` or :class:`TaskInFlight`, naming the task, unless DONE."""
-        if self is Change.UNKNOWN:
-            raise TaskNotScheduled(f"no scheduled task with id {task_id}")
-        if self is Change.IN_FLIGHT:
-            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be {verb}")
-
-
-class Stored(str, Enum):
-    """What :meth:`DelayedStore.schedule` did with a task."""
-
-    ADDED = "added"  # the id was new to the store
-    REPLACED = "replaced"  # an older attempt, or the same one in flight, gave way to it
-    KEPT = "kept"  # the copy already scheduled stays; this one was not stored
 
 
 @dataclass(frozen=True)
@@ -162,55 +70,6 @@ class Page:
 
     items: list[dict]
     cursor: str | None  # pass as ``after`` for the next page; None when this was the last
-
-
-def partition_of(task_id: str, partitions: int) -> int:
-    """Stable partition of a task id (CRC-32, identical in every process and version)."""
-    return zlib.crc32(task_id.encode()) % partitions
-
-
-def member_of(task_id: str) -> bytes:
-    """The stored form of a task id: the 16 bytes of a canonical (lower-case, hyphenated) UUID,
-    else its UTF-8, escaped by a leading NUL when it could be mistaken for one (16 bytes
-    long, or starting with NUL) — so every id has exactly one form and back."""
-    if len(task_id) == 36 and task_id[8] == task_id[13] == task_id[18] == task_id[23] == "-":
-        digits = task_id.replace("-", "")
-        try:
-            raw = bytes.fromhex(digits)
-        except ValueError:
-            raw = b""
-        if len(raw) == 16 and raw.hex() == digits:
-            return raw
-    encoded = task_id.encode()
-    return b"\0" + encoded if len(encoded) == 16 or encoded[:1] == b"\0" else encoded
-
-
-def task_id_of(member: bytes) -> str:
-    """The task id of a stored member (the inverse of :func:`member_of`)."""
-    if len(member) == 16:
-        raw = member.hex()
-        return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
-    return (member[1:] if member[:1] == b"\0" else member).decode()
-
-
-def bucket_of(due_ms: int) -> int:
-    """Start (s since the epoch) of the time bucket holding a due time."""
-    return due_ms // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
-
-
-def due_ms_of(when: datetime | int) -> int:
-    """A due time in ms since the epoch: ``int`` ms as is, a datetime by Celery's rule (naive = UTC)."""
-    if isinstance(when, datetime):
-        aware = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
-        return int(aware.timestamp() * 1000)
-    if isinstance(when, int) and not isinstance(when, bool):
-        return when
-    raise TypeError(f"a due time must be a datetime or int ms since the epoch, got {type(when).__name__}")
-
-
-def iso_of(ms: int | None) -> str | None:
-    """An ms timestamp as an ISO 8601 UTC time (None stays None)."""
-    return None if ms is None else datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
 
 
 class DelayedStore:

@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from celery_delayed import store_of
+from celery_delayed.outcomes import StoreNotDurable
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore, StoreNotDurable
+from celery_delayed.store import DelayedStore
 from tasks import create_app
 
 from .support import envelopes, wait_for

@@ -11,10 +11,11 @@ import pytest
 import redis
 
 from celery_delayed.durability import preflight, worker_preflight
+from celery_delayed.outcomes import StoreNotDurable
 from celery_delayed.poller import Poller
 from celery_delayed.settings import ConfigurationError
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore, StoreNotDurable
+from celery_delayed.store import DelayedStore
 
 from .support import envelopes, run_briefly
 from .test_poller import now_ms

@@ -7,8 +7,9 @@ from datetime import datetime, timezone
 
 import pytest
 
+from celery_delayed.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 from celery_delayed.settings import Settings
-from celery_delayed.store import MAX_PAGE, Change, DelayedStore, Stored, TaskInFlight, TaskNotScheduled
+from celery_delayed.store import MAX_PAGE, DelayedStore
 
 from .support import envelopes, wait_for
 

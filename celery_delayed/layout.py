@@ -1,0 +1,69 @@
+"""How a task sits in the store: its partition, its stored id, its time bucket, its due time.
+
+Part of the stored layout (:meth:`.DelayedStore.check_layout`): every process
+of a deployment must encode the same way.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from datetime import datetime, timezone
+
+#: Width of the time buckets (see :mod:`.store`).  Part of the stored
+#: layout: every process of a deployment must use the same value.
+BUCKET_SECONDS = 10
+#: Version of the stored format (key names, message prefix, member encoding): part of the layout.
+LAYOUT_FORMAT = 1
+#: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
+_BUCKET = struct.Struct(">I")
+#: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
+MAX_DUE_MS = 2**32 * 1000
+
+
+def partition_of(task_id: str, partitions: int) -> int:
+    """Stable partition of a task id (CRC-32, identical in every process and version)."""
+    return zlib.crc32(task_id.encode()) % partitions
+
+
+def member_of(task_id: str) -> bytes:
+    """The stored form of a task id: the 16 bytes of a canonical (lower-case, hyphenated) UUID,
+    else its UTF-8, escaped by a leading NUL when it could be mistaken for one (16 bytes
+    long, or starting with NUL) — so every id has exactly one form and back."""
+    if len(task_id) == 36 and task_id[8] == task_id[13] == task_id[18] == task_id[23] == "-":
+        digits = task_id.replace("-", "")
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raw = b""
+        if len(raw) == 16 and raw.hex() == digits:
+            return raw
+    encoded = task_id.encode()
+    return b"\0" + encoded if len(encoded) == 16 or encoded[:1] == b"\0" else encoded
+
+
+def task_id_of(member: bytes) -> str:
+    """The task id of a stored member (the inverse of :func:`member_of`)."""
+    if len(member) == 16:
+        raw = member.hex()
+        return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
+    return (member[1:] if member[:1] == b"\0" else member).decode()
+
+
+def bucket_of(due_ms: int) -> int:
+    """Start (s since the epoch) of the time bucket holding a due time."""
+    return due_ms // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
+
+
+def due_ms_of(when: datetime | int) -> int:
+    """A due time in ms since the epoch: ``int`` ms as is, a datetime by Celery's rule (naive = UTC)."""
+    if isinstance(when, datetime):
+        aware = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+        return int(aware.timestamp() * 1000)
+    if isinstance(when, int) and not isinstance(when, bool):
+        return when
+    raise TypeError(f"a due time must be a datetime or int ms since the epoch, got {type(when).__name__}")
+
+
+def iso_of(ms: int | None) -> str | None:
+    """An ms timestamp as an ISO 8601 UTC time (None stays None)."""
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds")

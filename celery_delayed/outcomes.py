@@ -1,0 +1,100 @@
+"""What the store answers besides data: its errors, and the named outcomes of its scripts.
+
+Each error says what happened and what the caller may do; :class:`Change` and
+:class:`Stored` name the answer codes of ``lua/cancel.lua``, ``lua/reschedule.lua``
+and ``lua/schedule.lua``, turned into errors in one place (:meth:`Change.check`).
+"""
+from __future__ import annotations
+
+import logging
+from enum import Enum, IntEnum
+from typing import Any, Callable, Mapping
+
+import redis
+from kombu.utils.functional import retry_over_time
+
+from .redis_client import UNREACHABLE
+from .settings import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+
+class StoreUnavailable(RuntimeError):
+    """The delayed store's Redis could not be reached; nothing was written.
+
+    Not an ``OSError``: Celery's ``send_task`` would turn one into kombu's
+    ``OperationalError``, as if the broker were down.
+    """
+
+
+class StoreNotDurable(StoreUnavailable):
+    """A schedule write was not confirmed durable in time (``delayed_schedule_wait``).
+
+    It is stored on the primary, but may be lost if the primary fails now;
+    scheduling the same tasks again is safe (stored ids are kept).
+    """
+
+
+#: What a call to the store's Redis raises when it should simply be tried again later:
+#: unreachable (standalone or cluster), read-only after a failover, out of memory...
+STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, StoreUnavailable)
+#: Longest wait (s) between tries of a store write that is never given up while the store is
+#: down: a running task's retry, or its dead letter (given up, the task would be lost).
+PERSIST_MAX_INTERVAL = 2.0
+
+def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None = None, *,
+                   failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False) -> Any:
+    """``write(*args, **kwargs)``, tried again while the store refuses it, each refusal logged as
+    ``failed`` with the error and the wait.  ``policy`` has the fields of Celery's publish retry
+    policy; ``forever`` ignores its ``max_retries`` and waits up to :data:`PERSIST_MAX_INTERVAL`."""
+    policy = policy or {}
+
+    def on_error(exc: Exception, intervals: Any, retries: int) -> float:
+        wait = next(intervals)
+        logger.warning("%s (%s); retry %d in %.1f s", failed, exc, retries + 1, wait)
+        return wait
+
+    return retry_over_time(
+        write, STORE_ERRORS, args=args, kwargs=dict(kwargs or {}), errback=on_error,
+        max_retries=None if forever else policy.get("max_retries", 3),
+        interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
+        interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
+
+
+class LayoutMismatch(ConfigurationError):
+    """The store's Redis was laid out with other settings than this process's: it must not touch it."""
+
+
+class Fenced(RuntimeError):
+    """A newer leader owns the partition: this poller must stop dispatching it."""
+
+
+class TaskNotScheduled(LookupError):
+    """The store holds no task with that id (never scheduled, or already dispatched)."""
+
+
+class TaskInFlight(RuntimeError):
+    """A poller is dispatching the task: the store can no longer change it."""
+
+
+class Change(IntEnum):
+    """What ``cancel.lua`` and ``reschedule.lua`` answer for one task id (their headers use these numbers)."""
+
+    DONE = 1  # cancelled, or moved to its new due time
+    UNKNOWN = 0  # the store holds no task with that id
+    IN_FLIGHT = -1  # a poller is dispatching it: the store can no longer change it
+
+    def check(self, task_id: str, verb: str) -> None:
+        """Raise :class:`TaskNotScheduled` or :class:`TaskInFlight`, naming the task, unless DONE."""
+        if self is Change.UNKNOWN:
+            raise TaskNotScheduled(f"no scheduled task with id {task_id}")
+        if self is Change.IN_FLIGHT:
+            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be {verb}")
+
+
+class Stored(str, Enum):
+    """What :meth:`DelayedStore.schedule` did with a task."""
+
+    ADDED = "added"  # the id was new to the store
+    REPLACED = "replaced"  # an older attempt, or the same one in flight, gave way to it
+    KEPT = "kept"  # the copy already scheduled stays; this one was not stored

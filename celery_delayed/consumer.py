@@ -3,10 +3,10 @@
 A background thread reads the ready topics of the worker's queues, decodes
 each batch of records and decides which may run (:class:`.once.Admission`: run
 claims and result-backend states, two round trips a batch), then hands them to
-the worker's event loop (a pipe it watches).  There each becomes a kombu
-message given to Celery's own task strategy: events, time limits,
-``acks_late``, revoke and results behave as for broker messages.  The loop
-itself makes no Redis round trip for a task that runs.  A record's offset is
+the worker's event loop (a pipe it watches), where :class:`.intake.Intake`
+gives each to Celery's own task strategy: events, time limits, ``acks_late``,
+revoke and results behave as for broker messages.  The loop itself makes no
+Redis round trip for a task that runs.  A record's offset is
 settled when Celery acks or rejects the request, and only the contiguous
 settled prefix of each partition is committed (see :mod:`.offsets`).
 """
@@ -20,28 +20,19 @@ import traceback
 import uuid
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-from celery import bootsteps, signals, states
+from celery import bootsteps, signals
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
-from celery.exceptions import BackendError
 from confluent_kafka import Consumer, KafkaException, TopicPartition
-from kombu.exceptions import OperationalError
-from kombu.message import Message
-from kombu.serialization import prepare_accept_content
 
-from . import metrics
-from .dlq import DeadLetter, DeadLetters, reason_of
 from .durability import worker_preflight
 from .envelope import Envelope
-from .kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics
-from .layout import iso_of
-from .offsets import OffsetTracker, PartitionOffsets
-from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admission, Admit, Copy, RunClaims, Verdict, attempt_of
-from .outcomes import STORE_ERRORS
-from .revoke import record_revoked
+from .intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
+from .kafka import ensure_topics
+from .offsets import OffsetTracker
+from .once import Admission, Admit, Copy, RunClaims, attempt_of
 from .settings import Settings
 from .store import DelayedStore
 
@@ -56,9 +47,6 @@ MAX_POLL_GAP = 60.0
 #: Records of one Kafka partition read and not yet committable (settled ones behind a task
 #: still running) at which that partition is paused; each would run again if the worker died.
 MAX_UNCOMMITTED = 10_000
-#: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
-#: Anything else Celery's strategy raises is about the message itself, which can never run.
-TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 #: Consumer settings delayed_kafka_config may override.  A worker that dies without leaving the
 #: group (kill -9, a machine lost) holds its partitions until the group misses its heartbeats for
 #: session.timeout.ms; and a worker whose session lapsed in a Kafka outage rejoins as a new member,
@@ -79,16 +67,6 @@ _feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
 def _close_feeds(**_: Any) -> None:
     for feed in list(_feeds):
         feed.close()
-
-
-@signals.task_received.connect
-def _restore_eta(request: Any = None, **_: Any) -> None:
-    """A task from Kafka sees the ETA it was scheduled with (``self.request.eta``), though
-    Celery's timer never held it: the strategy has read the message, so the ETA goes back into
-    the request's dict, which the pool builds the task's context from."""
-    marks = request.request_dict.get(FROM_KAFKA) if request is not None else None
-    if isinstance(marks, dict) and marks.get("eta"):
-        request.request_dict["eta"] = marks["eta"]
 
 
 class KafkaConsumerStep(bootsteps.StartStopStep):
@@ -123,17 +101,13 @@ class KafkaFeed:
         self.c = c
         self.store: DelayedStore = amqp.delayed_store  # the app's, shared with its other users in the process
         self.settings: Settings = self.store.settings
-        self.dead_letters = DeadLetters(self.store)
         self.claims = claims or RunClaims(self.store, owner=f"{c.hostname}-{uuid.uuid4().hex[:8]}",
                                           lease_s=self.settings.run_lease)
-        self._in_hand: set[str] = set()  # task ids given to Celery and not settled yet
-        self._draining: set[str] = set()  # once stopped: the running ones of them, waited for
         self.queues = sorted(amqp.queues.consume_from)
-        self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.offsets = OffsetTracker()
-        self._ready: deque[_Arrival] = deque()  # admitted, waiting for the loop
+        self._ready: deque[Arrival] = deque()  # admitted, waiting for the loop
         self._ready_lock = threading.Lock()
-        self._unadmitted: list[_Arrival] = []  # read, waiting for a failed admission's next try
+        self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
         self._admission: Admission | None = None
         self._admit_at = 0.0
         self._scheduled = False
@@ -141,6 +115,7 @@ class KafkaFeed:
         self._reading = threading.Event()
         self._drain_until = 0.0
         self._room = threading.Event()  # set when a settle frees a prefetch slot
+        self.intake = Intake(c, self.store, self.claims, self.offsets, on_settled=self._room.set)
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
@@ -193,12 +168,12 @@ class KafkaFeed:
         (and wait for their lapsed run claims).
         """
         running = {request.id for request in worker_state.active_requests}
-        self._draining = self._in_hand & running
+        self.intake.draining = self.intake.in_hand & running
         # The others were dropped by Celery (prefork), or may still run (a threads pool's queue):
         # their claims are no longer extended, so they lapse after the run lease unless the task
         # settles first; a copy read again meanwhile waits in the store, and runs once.
-        for task_id in self._in_hand - running:
-            self._in_hand.discard(task_id)
+        for task_id in self.intake.in_hand - running:
+            self.intake.in_hand.discard(task_id)
             self.claims.forget(task_id)
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
@@ -222,7 +197,7 @@ class KafkaFeed:
             while self._running.is_set():
                 try:
                     if not self._reading.is_set():
-                        if not self._draining or time.monotonic() > self._drain_until:
+                        if not self.intake.draining or time.monotonic() > self._drain_until:
                             break
                         consumer.pause(consumer.assignment())
                         consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
@@ -302,11 +277,11 @@ class KafkaFeed:
                 continue
             partition = self.offsets.add((record.topic(), record.partition()), record.offset())
             if partition is not None:  # None: revoked meanwhile, the new owner reads it
-                self._unadmitted.append(self._examine(_Arrival(record, partition, read_ms)))
+                self._unadmitted.append(self._examine(Arrival(record, partition, read_ms)))
         if self._unadmitted:
             self._admit()
 
-    def _examine(self, arrival: _Arrival) -> _Arrival:
+    def _examine(self, arrival: Arrival) -> Arrival:
         """Decode a record and find its task's strategy; what can never run is marked for the
         dead-letter queue (``problem``)."""
         try:
@@ -329,7 +304,7 @@ class KafkaFeed:
         arrivals = self._unadmitted
         runnable = [a for a in arrivals if a.problem is None]
         if self._admission is None:
-            self._admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), _replace_key(a.headers))
+            self._admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers))
                                          for a in runnable])
         try:
             verdicts = self._admission.decide(self.claims, self.c.app.backend, self.store.key_holder)
@@ -367,7 +342,7 @@ class KafkaFeed:
         self._commit(self.offsets.revoke(keys))
 
     # -- event loop ------------------------------------------------------------
-    def _hand_over(self, arrivals: list[_Arrival]) -> None:
+    def _hand_over(self, arrivals: list[Arrival]) -> None:
         with self._ready_lock:
             self._ready.extend(arrivals)
             scheduled, self._scheduled = self._scheduled, True
@@ -405,147 +380,13 @@ class KafkaFeed:
                     return
                 arrival = self._ready.popleft()
             try:
-                self._dispatch(arrival)
+                self.intake.dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
                 logger.warning("task delivery deferred 1 s: %r", exc)
                 with self._ready_lock:
                     self._ready.appendleft(arrival)
                 self.c.hub.call_later(1.0, self._drain)
                 return
-
-    def _dispatch(self, arrival: _Arrival) -> None:
-        """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
-        without running it (dead-lettered, finished, revoked, replaced or put back).
-
-        Raises only for errors outside the message (the record is tried again,
-        with the run claim it holds); a message that cannot be run is dead-lettered.
-        """
-        record, partition, verdict = arrival.record, arrival.partition, arrival.verdict
-        if arrival.problem is not None:
-            self._dead_letter(record, partition, arrival.problem, arrival.trace)
-            return
-        task_id = arrival.envelope.task_id
-        if verdict.admit is Admit.FINISHED:
-            self._skip_finished(task_id, record, partition, verdict.meta)
-        elif verdict.admit in (Admit.REVOKED, Admit.REPLACED):
-            logger.info("task %s was %s: recorded as REVOKED, not run", task_id, verdict.admit.value)
-            record_revoked(self.c.app, task_id, arrival.envelope, reason=verdict.admit.value)
-            metrics.SKIPPED_REVOKED.inc()
-            self._settle(partition, record.offset())
-        elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired
-            metrics.DEFERRED_DUPLICATES.inc()
-            self._put_back(task_id, record.value(), attempt_of(arrival.headers), verdict.wait_ms)
-            self._settle(partition, record.offset())
-        else:
-            self._in_hand.add(task_id)
-            try:
-                self._run_claimed(arrival)
-            except _Unrunnable as exc:
-                self._release(task_id)
-                self._dead_letter(record, partition, str(exc), exc.traceback)
-            except BaseException:  # tried again holding its claim, which _drop_ready gives up if need be
-                self._in_hand.discard(task_id)
-                raise
-
-    def _run_claimed(self, arrival: _Arrival) -> None:
-        """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
-        record, partition, envelope, headers = arrival.record, arrival.partition, arrival.envelope, arrival.headers
-        task_id, offset = envelope.task_id, record.offset()
-        # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
-        # where the process running it finds it for request.eta, remembers when it finished,
-        # and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
-        # due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
-        marks = _record_headers(record)
-        due_ms = marks.get(DUE_HEADER)
-        eta = iso_of(due_ms)
-        headers.pop("eta", None)
-        if due_ms is not None and due_ms > time.time() * 1000 + 1:
-            headers["eta"] = eta
-        headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
-                               "produced": record.timestamp()[1], "read": arrival.read_ms,
-                               "handed": int(time.time() * 1000)}
-        message = Message(body=envelope.body, content_type=envelope.content_type,
-                          content_encoding=envelope.content_encoding, headers=headers,
-                          properties=envelope.properties, accept=self.accept, channel=None,
-                          delivery_info={"exchange": envelope.exchange,
-                                         "routing_key": envelope.routing_key or envelope.queue})
-
-        def on_ack(log: Any = None, errors: Any = None) -> None:
-            self._release(task_id)
-            self._settle(partition, offset)
-
-        def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
-            self._release(task_id)
-            if requeue:  # back through the store, due now, so the requeue survives any crash
-                self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
-            else:
-                self._settle(partition, offset)
-
-        try:
-            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
-        except TRANSIENT_ERRORS:
-            raise
-        except Exception as exc:
-            raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
-
-    def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
-        """Put a rejected task back in the store, then settle it; while the store is down, try
-        again every second (unsettled meanwhile: a crash reads it again from Kafka)."""
-        try:
-            self._put_back(task_id, data, attempt)
-        except STORE_ERRORS as exc:
-            logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)
-            self.c.hub.call_later(1.0, self._requeue, task_id, data, attempt, partition, offset)
-            return
-        self._settle(partition, offset)
-
-    def _put_back(self, task_id: str, data: bytes, attempt: int, delay_ms: int = 0) -> None:
-        """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers').
-
-        A copy of a newer attempt is kept, and so is one of the same attempt still
-        scheduled (it runs anyway); an older one, or the same attempt in flight,
-        gives way to this one (see :meth:`.DelayedStore.schedule`).
-        """
-        self.store.schedule(task_id, self.store.now_ms() + delay_ms, data, attempt)
-
-    def _release(self, task_id: str) -> None:
-        self._in_hand.discard(task_id)
-        self._draining.discard(task_id)
-        self.claims.release(task_id)
-
-    def _skip_finished(self, task_id: str, record: Any, partition: PartitionOffsets,
-                       meta: dict | None = None) -> None:
-        """Acknowledge a copy of a task that already ended, without running it.
-
-        A task that failed for good whose worker was killed after Celery stored
-        the FAILURE but before it was parked is parked now, from this copy, so
-        the dead-letter queue still holds every task that failed for good.
-        """
-        logger.debug("task %s already finished: delivery acknowledged without running", task_id)
-        if (meta and meta.get("status") == states.FAILURE and self.settings.dead_letter_failures
-                and not self.dead_letters.holds(task_id)):
-            logger.warning("task %s failed for good but was never parked (its worker died first): parked now",
-                           task_id)
-            self.dead_letters.add(DeadLetter(
-                task_id=task_id, source="worker", reason=reason_of(meta.get("result")),
-                traceback=meta.get("traceback") or "", attempts=(meta.get("retries") or 0) + 1,
-                message=record.value()))
-            metrics.DEAD_LETTERED.labels("worker").inc()
-        metrics.SKIPPED_FINISHED.inc()
-        self._settle(partition, record.offset())
-
-    def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
-        task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"
-        logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
-        self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
-                                          message=record.value() or b""), self.c.app.backend)
-        metrics.DEAD_LETTERED.labels("worker").inc()
-        self._settle(partition, record.offset())
-
-    def _settle(self, partition: PartitionOffsets, offset: int) -> None:
-        self.offsets.settle(partition, offset)
-        self._room.set()
-
 
 class Wakeup:
     """Runs ``callback`` on the worker's event loop as soon as another thread calls :meth:`wake`.
@@ -591,47 +432,5 @@ class Wakeup:
             os.close(fd)
 
 
-@dataclass
-class _Arrival:
-    """A record read from Kafka, on its way to Celery: decoded and admitted by the Kafka thread,
-    acted on by the loop."""
-
-    record: Any
-    partition: PartitionOffsets
-    read_ms: int  # when it was read (ms since the epoch)
-    envelope: Envelope | None = None
-    headers: dict | None = None
-    strategy: Any = None  # Celery's strategy for its task
-    problem: str | None = None  # why it can never run (dead-lettered), with its traceback
-    trace: str = ""
-    verdict: Verdict | None = None  # what Admission decided; None when it has a problem
-
-
-def _replace_key(headers: dict) -> str | None:
-    """The ``delayed_key`` of a replace-mode task (it runs only while its key names it), else None."""
-    key = headers.get(KEY_HEADER)
-    return key if isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace" else None
-
-
-class _Unrunnable(Exception):
-    """Celery's strategy refused the message itself: it can never run, so it is dead-lettered."""
-
-    def __init__(self, reason: str, traceback: str) -> None:
-        super().__init__(reason)
-        self.traceback = traceback
-
-
 def _names(partitions: list[TopicPartition]) -> list[str]:
     return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
-
-
-def _record_headers(record: Any) -> dict[str, int]:
-    """The poller's ms-valued record headers (:data:`.kafka.DUE_HEADER`, :data:`.kafka.CLAIMED_HEADER`)."""
-    found = {}
-    for name, value in record.headers() or ():
-        if name in (DUE_HEADER, CLAIMED_HEADER):
-            try:
-                found[name] = int(value)
-            except (TypeError, ValueError):  # not ours after all: timing is information only
-                pass
-    return found

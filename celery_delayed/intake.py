@@ -1,0 +1,246 @@
+"""The worker's event-loop side of the Kafka feed: what Celery is given.
+
+The feed's Kafka thread reads records and decides which may run (:mod:`.consumer`);
+here, on the loop, each admitted record becomes a kombu message given to
+Celery's own task strategy, or is settled without running (finished, revoked,
+replaced, put back, or dead-lettered when it can never run).  Celery acks or
+rejects the request when it ends, which settles the record's offset and
+releases its run claim; a requeue goes back through the store.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from celery import signals, states
+from celery.exceptions import BackendError
+from kombu.exceptions import OperationalError
+from kombu.message import Message
+from kombu.serialization import prepare_accept_content
+
+from . import metrics
+from .dlq import DeadLetter, DeadLetters, reason_of
+from .envelope import Envelope
+from .kafka import CLAIMED_HEADER, DUE_HEADER
+from .layout import iso_of
+from .offsets import OffsetTracker, PartitionOffsets
+from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admit, RunClaims, Verdict, attempt_of
+from .outcomes import STORE_ERRORS
+from .revoke import record_revoked
+from .store import DelayedStore
+
+logger = logging.getLogger(__name__)
+
+#: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
+#: Anything else Celery's strategy raises is about the message itself, which can never run.
+TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
+
+
+@signals.task_received.connect
+def _restore_eta(request: Any = None, **_: Any) -> None:
+    """A task from Kafka sees the ETA it was scheduled with (``self.request.eta``), though
+    Celery's timer never held it: the strategy has read the message, so the ETA goes back into
+    the request's dict, which the pool builds the task's context from."""
+    marks = request.request_dict.get(FROM_KAFKA) if request is not None else None
+    if isinstance(marks, dict) and marks.get("eta"):
+        request.request_dict["eta"] = marks["eta"]
+
+
+class Intake:
+    """Acts, on the worker's event loop, on the records the feed admitted (:meth:`dispatch`).
+
+    ``in_hand``: task ids given to Celery and not settled yet; ``draining``: once
+    the feed stopped, the running ones of them, waited for.  ``on_settled`` is
+    called after each settle (a prefetch slot is free).
+    """
+
+    def __init__(self, c: Any, store: DelayedStore, claims: RunClaims, offsets: OffsetTracker,
+                 on_settled: Callable[[], None]) -> None:
+        self.c = c
+        self.store = store
+        self.settings = store.settings
+        self.claims = claims
+        self.offsets = offsets
+        self.dead_letters = DeadLetters(store)
+        self.accept = prepare_accept_content(c.app.conf.accept_content)
+        self.in_hand: set[str] = set()
+        self.draining: set[str] = set()
+        self._on_settled = on_settled
+
+    def dispatch(self, arrival: Arrival) -> None:
+        """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
+        without running it (dead-lettered, finished, revoked, replaced or put back).
+
+        Raises only for errors outside the message (the record is tried again,
+        with the run claim it holds); a message that cannot be run is dead-lettered.
+        """
+        record, partition, verdict = arrival.record, arrival.partition, arrival.verdict
+        if arrival.problem is not None:
+            self._dead_letter(record, partition, arrival.problem, arrival.trace)
+            return
+        task_id = arrival.envelope.task_id
+        if verdict.admit is Admit.FINISHED:
+            self._skip_finished(task_id, record, partition, verdict.meta)
+        elif verdict.admit in (Admit.REVOKED, Admit.REPLACED):
+            logger.info("task %s was %s: recorded as REVOKED, not run", task_id, verdict.admit.value)
+            record_revoked(self.c.app, task_id, arrival.envelope, reason=verdict.admit.value)
+            metrics.SKIPPED_REVOKED.inc()
+            self._settle(partition, record.offset())
+        elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired
+            metrics.DEFERRED_DUPLICATES.inc()
+            self._put_back(task_id, record.value(), attempt_of(arrival.headers), verdict.wait_ms)
+            self._settle(partition, record.offset())
+        else:
+            self.in_hand.add(task_id)
+            try:
+                self._run_claimed(arrival)
+            except _Unrunnable as exc:
+                self._release(task_id)
+                self._dead_letter(record, partition, str(exc), exc.traceback)
+            except BaseException:  # tried again holding its claim, which _drop_ready gives up if need be
+                self.in_hand.discard(task_id)
+                raise
+
+    def _run_claimed(self, arrival: Arrival) -> None:
+        """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
+        record, partition, envelope, headers = arrival.record, arrival.partition, arrival.envelope, arrival.headers
+        task_id, offset = envelope.task_id, record.offset()
+        # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
+        # where the process running it finds it for request.eta, remembers when it finished,
+        # and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
+        # due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
+        marks = _record_headers(record)
+        due_ms = marks.get(DUE_HEADER)
+        eta = iso_of(due_ms)
+        headers.pop("eta", None)
+        if due_ms is not None and due_ms > time.time() * 1000 + 1:
+            headers["eta"] = eta
+        headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
+                               "produced": record.timestamp()[1], "read": arrival.read_ms,
+                               "handed": int(time.time() * 1000)}
+        message = Message(body=envelope.body, content_type=envelope.content_type,
+                          content_encoding=envelope.content_encoding, headers=headers,
+                          properties=envelope.properties, accept=self.accept, channel=None,
+                          delivery_info={"exchange": envelope.exchange,
+                                         "routing_key": envelope.routing_key or envelope.queue})
+
+        def on_ack(log: Any = None, errors: Any = None) -> None:
+            self._release(task_id)
+            self._settle(partition, offset)
+
+        def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
+            self._release(task_id)
+            if requeue:  # back through the store, due now, so the requeue survives any crash
+                self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
+            else:
+                self._settle(partition, offset)
+
+        try:
+            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as exc:
+            raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
+
+    def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
+        """Put a rejected task back in the store, then settle it; while the store is down, try
+        again every second (unsettled meanwhile: a crash reads it again from Kafka)."""
+        try:
+            self._put_back(task_id, data, attempt)
+        except STORE_ERRORS as exc:
+            logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)
+            self.c.hub.call_later(1.0, self._requeue, task_id, data, attempt, partition, offset)
+            return
+        self._settle(partition, offset)
+
+    def _put_back(self, task_id: str, data: bytes, attempt: int, delay_ms: int = 0) -> None:
+        """Schedule a record again in the store, ``delay_ms`` from now by Redis' clock (the pollers').
+
+        A copy of a newer attempt is kept, and so is one of the same attempt still
+        scheduled (it runs anyway); an older one, or the same attempt in flight,
+        gives way to this one (see :meth:`.DelayedStore.schedule`).
+        """
+        self.store.schedule(task_id, self.store.now_ms() + delay_ms, data, attempt)
+
+    def _release(self, task_id: str) -> None:
+        self.in_hand.discard(task_id)
+        self.draining.discard(task_id)
+        self.claims.release(task_id)
+
+    def _skip_finished(self, task_id: str, record: Any, partition: PartitionOffsets,
+                       meta: dict | None = None) -> None:
+        """Acknowledge a copy of a task that already ended, without running it.
+
+        A task that failed for good whose worker was killed after Celery stored
+        the FAILURE but before it was parked is parked now, from this copy, so
+        the dead-letter queue still holds every task that failed for good.
+        """
+        logger.debug("task %s already finished: delivery acknowledged without running", task_id)
+        if (meta and meta.get("status") == states.FAILURE and self.settings.dead_letter_failures
+                and not self.dead_letters.holds(task_id)):
+            logger.warning("task %s failed for good but was never parked (its worker died first): parked now",
+                           task_id)
+            self.dead_letters.add(DeadLetter(
+                task_id=task_id, source="worker", reason=reason_of(meta.get("result")),
+                traceback=meta.get("traceback") or "", attempts=(meta.get("retries") or 0) + 1,
+                message=record.value()))
+            metrics.DEAD_LETTERED.labels("worker").inc()
+        metrics.SKIPPED_FINISHED.inc()
+        self._settle(partition, record.offset())
+
+    def _dead_letter(self, record: Any, partition: PartitionOffsets, reason: str, tb: str = "") -> None:
+        task_id = (record.key() or b"").decode(errors="replace") or f"{record.topic()}:{record.offset()}"
+        logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
+        self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, traceback=tb, source="worker",
+                                          message=record.value() or b""), self.c.app.backend)
+        metrics.DEAD_LETTERED.labels("worker").inc()
+        self._settle(partition, record.offset())
+
+    def _settle(self, partition: PartitionOffsets, offset: int) -> None:
+        self.offsets.settle(partition, offset)
+        self._on_settled()
+
+
+@dataclass
+class Arrival:
+    """A record read from Kafka, on its way to Celery: decoded and admitted by the Kafka thread,
+    acted on by the loop."""
+
+    record: Any
+    partition: PartitionOffsets
+    read_ms: int  # when it was read (ms since the epoch)
+    envelope: Envelope | None = None
+    headers: dict | None = None
+    strategy: Any = None  # Celery's strategy for its task
+    problem: str | None = None  # why it can never run (dead-lettered), with its traceback
+    trace: str = ""
+    verdict: Verdict | None = None  # what Admission decided; None when it has a problem
+
+
+def replace_key(headers: dict) -> str | None:
+    """The ``delayed_key`` of a replace-mode task (it runs only while its key names it), else None."""
+    key = headers.get(KEY_HEADER)
+    return key if isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace" else None
+
+
+class _Unrunnable(Exception):
+    """Celery's strategy refused the message itself: it can never run, so it is dead-lettered."""
+
+    def __init__(self, reason: str, traceback: str) -> None:
+        super().__init__(reason)
+        self.traceback = traceback
+
+
+def _record_headers(record: Any) -> dict[str, int]:
+    """The poller's ms-valued record headers (:data:`.kafka.DUE_HEADER`, :data:`.kafka.CLAIMED_HEADER`)."""
+    found = {}
+    for name, value in record.headers() or ():
+        if name in (DUE_HEADER, CLAIMED_HEADER):
+            try:
+                found[name] = int(value)
+            except (TypeError, ValueError):  # not ours after all: timing is information only
+                pass
+    return found

@@ -108,7 +108,6 @@ class KafkaFeed:
         self._ready: deque[Arrival] = deque()  # admitted, waiting for the loop
         self._ready_lock = threading.Lock()
         self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
-        self._admission: Admission | None = None
         self._admit_at = 0.0
         self._scheduled = False
         self._running = threading.Event()
@@ -221,8 +220,6 @@ class KafkaFeed:
         finally:
             self._commit(self.offsets.committable())
             consumer.close()
-            if self._admission is not None:  # read again by the next consumer
-                self._admission.abandon(self.claims)
             self._drop_ready()
             self.claims.flush()
             self._wakeup.close()
@@ -299,15 +296,14 @@ class KafkaFeed:
     def _admit(self) -> None:
         """Decide which of the records read may run (:class:`.once.Admission`), then hand them all
         to the loop.  While the store or the result backend fails, the same records are tried
-        again every :data:`ADMISSION_RETRY` s (nothing more is read meanwhile), keeping the
-        claims already taken."""
+        again every :data:`ADMISSION_RETRY` s (nothing more is read meanwhile; a stopped feed
+        leaves them to the next consumer), holding no claim in between."""
         arrivals = self._unadmitted
         runnable = [a for a in arrivals if a.problem is None]
-        if self._admission is None:
-            self._admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers))
-                                         for a in runnable])
+        admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers))
+                               for a in runnable])
         try:
-            verdicts = self._admission.decide(self.claims, self.c.app.backend, self.store.key_holder)
+            verdicts = admission.decide(self.claims, self.c.app.backend, self.store.key_holder)
         except TRANSIENT_ERRORS as exc:
             logger.warning("cannot tell yet whether %d tasks may run (%r); trying again in %.0f s",
                            len(runnable), exc, ADMISSION_RETRY)
@@ -315,7 +311,7 @@ class KafkaFeed:
             return
         for arrival, verdict in zip(runnable, verdicts):
             arrival.verdict = verdict
-        self._unadmitted, self._admission = [], None
+        self._unadmitted = []
         self._hand_over(arrivals)
 
     def _max_unsettled(self) -> int:

@@ -170,22 +170,27 @@ class Admission:
     the store (:meth:`RunClaims.acquire_many`), then the result backend's state of each in one
     more (MGET on a key-value backend), so a copy that ended between the two cannot slip through.
 
-    If the backend or the store fails, :meth:`decide` raises and may be called again: the claims
-    taken are kept (and extended) until it succeeds, or :meth:`abandon` gives them up.
+    If the backend or the store fails, :meth:`decide` gives back the claims it took and raises:
+    each try decides afresh, so no claim is held across an outage (it could lapse meanwhile and be
+    taken by another worker) nor by a feed that stopped before trying again.
     """
 
     def __init__(self, copies: Sequence[Copy]) -> None:
         self.copies = list(copies)
-        self._claims: list[int] | None = None
 
     def decide(self, claims: RunClaims, backend: Any, key_holder: Callable[[str], str | None]) -> list[Verdict]:
         """One :class:`Verdict` per copy, in order; claims not run (every verdict but RUN) are released."""
-        if self._claims is None:
-            self._claims = claims.acquire_many([(c.task_id, c.attempt) for c in self.copies])
-        metas = finished_many(backend, [c.task_id for c in self.copies])
-        holders = {key: key_holder(key) for key in {c.key for c in self.copies if c.key is not None}}
+        taken = claims.acquire_many([(c.task_id, c.attempt) for c in self.copies])
+        try:
+            metas = finished_many(backend, [c.task_id for c in self.copies])
+            holders = {key: key_holder(key) for key in {c.key for c in self.copies if c.key is not None}}
+        except BaseException:
+            for copy, claim in zip(self.copies, taken):
+                if claim == 0:
+                    claims.release(copy.task_id)
+            raise
         verdicts = []
-        for copy, claim in zip(self.copies, self._claims):
+        for copy, claim in zip(self.copies, taken):
             if copy.task_id in metas:  # before REVOKED: a task both finished and revoked is finished
                 verdict = Verdict(Admit.FINISHED, meta=metas[copy.task_id])
             elif copy.key is not None and holders[copy.key] not in (None, copy.task_id):
@@ -201,15 +206,7 @@ class Admission:
             if claim == 0 and verdict.admit is not Admit.RUN:
                 claims.release(copy.task_id)
             verdicts.append(verdict)
-        self._claims = None
         return verdicts
-
-    def abandon(self, claims: RunClaims) -> None:
-        """Give up the claims a failed :meth:`decide` took (the copies will be read again)."""
-        for copy, claim in zip(self.copies, self._claims or ()):
-            if claim == 0:
-                claims.release(copy.task_id)
-        self._claims = None
 
 
 def finished_many(backend: Any, task_ids: Sequence[str]) -> dict[str, dict]:

@@ -144,8 +144,8 @@ def blinking_backend_run(overrides: dict, processes, n: int):
 
 def test_a_blinking_result_backend_defers_a_task_and_releases_its_run_claim(overrides, processes):
     """The result backend fails the worker's first two checks of the tasks' states (after their
-    run claims are taken): the tasks are admitted a second later with the claims they hold and
-    run once; none is dead-lettered, and no run claim is left behind to bounce every later copy."""
+    run claims are taken): the claims are given back, the tasks are admitted again a second later
+    and run once; none is dead-lettered, and no run claim is left behind to bounce every later copy."""
     app, run, results = blinking_backend_run(overrides, processes, 5)
     worker = processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": "1,2"})
     assert {r.get(timeout=60) for r in results} == {r.id for r in results}
@@ -169,6 +169,26 @@ def test_a_hanging_result_backend_does_not_stall_the_workers_event_loop(override
     assert plain.get(timeout=15) == plain.id, "the broker task waited for the hanging check"
     assert results[0].id not in runs(app, run), "the Kafka task ran before its check ended"
     assert results[0].get(timeout=90) == results[0].id
+
+
+def test_an_admission_waiting_to_be_tried_again_holds_no_run_claim(overrides, processes):
+    """The result backend fails the worker's first 12 reads of task states: while the task's
+    admission waits to be tried again, its run claim is given back.  A claim kept across the wait
+    was still held by a feed that stopped meanwhile (a broker reconnect), bouncing the next
+    consumer's copy for as long as the old feed drained (an independent review measured 45 s),
+    and could lapse in a long outage and be taken by another worker.  The task runs once after."""
+    app, run, results = blinking_backend_run(overrides, processes, 1)
+    worker = processes.worker("w1", "-c", "2", env={"CD_TEST_BLINK": ",".join(map(str, range(1, 13)))})
+    wait_for(lambda: "cannot tell yet" in processes.log(worker), 90, "the first admission to fail")
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    claim = Keys(overrides["delayed_key_prefix"]).run(results[0].id)
+    held = []
+    for _ in range(40):  # 4 s of the ~12 s of failures
+        held.append(bool(r.exists(claim)))
+        time.sleep(0.1)
+    assert sum(held) <= 8, f"the run claim was held in {sum(held)} of {len(held)} samples between tries"
+    assert results[0].get(timeout=60) == results[0].id
+    assert runs(app, run) == {results[0].id: 1}
 
 
 @pytest.mark.parametrize("blinks", [{"CD_TEST_BLINK_DONE": "1"},

@@ -45,6 +45,12 @@ from tasks.processes import Processes, wait_for
 console = Console()
 
 
+def _remove(overrides: dict[str, Any]) -> None:
+    """Remove the keys, etcd keys and topic of a run's key prefix and queue."""
+    settings = Settings.from_conf(overrides)
+    remove_everything(settings, [settings.topic(overrides["task_default_queue"])])
+
+
 def lags_of(client: redis.Redis, run: str) -> list[int]:
     """Lags (ms) recorded by ``tasks.demo.fire`` for one run."""
     return [int(x) for x in client.lrange(f"demo:{run}:lag", 0, -1)]
@@ -105,7 +111,7 @@ def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str,
     finally:
         procs.stop_all()
         client.delete(f"demo:{run}:runs", f"demo:{run}:lag")
-        remove_everything(Settings.from_conf(overrides), [Settings.from_conf(overrides).topic(overrides["task_default_queue"])])
+        _remove(overrides)
 
 
 def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path) -> dict[str, Any]:
@@ -141,7 +147,7 @@ def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path)
         procs.stop_all()
         client.delete(f"demo:{run}:runs", f"demo:{run}:lag", f"demo:{run}:hops", f"demo:{run}-warm:runs",
                       f"demo:{run}-warm:lag", f"demo:{run}-warm:hops")
-        remove_everything(Settings.from_conf(overrides), [Settings.from_conf(overrides).topic(overrides["task_default_queue"])])
+        _remove(overrides)
 
 
 def profile(name: str, n: int, rate: int, duration: float, repeat: int, progress: Progress,

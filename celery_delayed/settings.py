@@ -130,7 +130,7 @@ class Settings:
         """Read and validate the ``delayed_*`` keys of a Celery configuration (``app.conf``, or a
         dict of settings as a ``celeryconfig`` holds them; other keys are left alone), with
         ``changes`` (unprefixed names) on top."""
-        values = {f.name: conf[PREFIX + f.name] for f in dataclasses.fields(cls) if conf.get(PREFIX + f.name) is not None}
+        values = {f.name: value for f in dataclasses.fields(cls) if (value := conf.get(PREFIX + f.name)) is not None}
         return cls.from_mapping({**values, **changes})
 
     @classmethod

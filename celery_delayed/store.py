@@ -156,9 +156,9 @@ class DelayedStore:
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
                     self.scripts["schedule"](keys=[*self.keys.core(p), self.keys.attempts(p)],
-                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
-                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
-                                              client=pipe)
+                                             args=[self.keys.wake, self.keys.bucket_prefix(p),
+                                                   *flat[start:start + SCHEDULE_CHUNK * 4]],
+                                             client=pipe)
             if isinstance(self.redis, redis.RedisCluster):  # waited for per node after the pipeline (_send)
                 pipe.delayed_partitions = sorted(by_partition)
             else:
@@ -260,7 +260,7 @@ class DelayedStore:
         for task_id in ids:
             p = self.partition(task_id)
             self.scripts["cancel"](keys=[*self.keys.core(p), self.keys.attempts(p)],
-                                    args=[self.keys.bucket_prefix(p), member_of(task_id)], client=pipe)
+                                   args=[self.keys.bucket_prefix(p), member_of(task_id)], client=pipe)
         return {task_id: reply if isinstance(reply, bytes) else Change(reply)
                 for task_id, reply in zip(ids, self.execute(pipe))}
 
@@ -341,8 +341,9 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):  # one more than a page: is there a next one?
             self.scripts["upcoming"](keys=[self.keys.buckets(p)],
-                                      args=[self.keys.bucket_prefix(p), BUCKET_SECONDS, "" if start_ms is None else start_ms,
-                                            skips.get(p, 0), limit + 1], client=pipe)
+                                     args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
+                                           "" if start_ms is None else start_ms, skips.get(p, 0), limit + 1],
+                                     client=pipe)
         heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
                  for p, rows in enumerate(self.execute(pipe))]
         page = list(itertools.islice(heapq.merge(*heads), limit + 1))
@@ -370,7 +371,7 @@ class DelayedStore:
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
             self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
-                                    client=pipe)
+                                   client=pipe)
         rows = []
         for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,

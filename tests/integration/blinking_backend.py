@@ -10,7 +10,8 @@ main process's own calls never blink).  ``CD_TEST_BLINK_RETRY=1`` fails the 1st 
 a RETRY state of each task id below Celery's backend retry loop (``_store_result``), so
 ``result_backend_always_retry`` retries it.  ``CD_TEST_SLOW_META=S`` makes every read of
 task states in the worker's main process (``mget``, ``get_task_meta``) take ``S`` seconds
-more, as a result backend that hangs does; each such read prints "slow meta read".  Everything else is the real Redis backend of celery-delayed.
+more, as a result backend that hangs does; each such read prints "slow meta read".
+Everything else is the real Redis backend of celery-delayed.
 Tests select it with ``result_backend = "tests.integration.blinking_backend:
 BlinkingBackend+redis://..."``.
 """

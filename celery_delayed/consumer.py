@@ -1,7 +1,7 @@
 """Worker side: a consumer bootstep that feeds Kafka records to stock Celery.
 
 A background thread reads the ready topics of the worker's queues, decodes
-each batch of records and decides which may run (:class:`.once.Admission`: run
+each batch of records and decides which may run (:func:`.once.admit`: run
 claims and result-backend states, two round trips a batch), then hands them to
 the worker's event loop (a pipe it watches), where :class:`.intake.Intake`
 gives each to Celery's own task strategy: events, time limits, ``acks_late``,
@@ -32,7 +32,7 @@ from .envelope import Envelope
 from .intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
 from .kafka import ensure_topics
 from .offsets import OffsetTracker
-from .once import Admission, Admit, Copy, RunClaims, attempt_of
+from .once import Admit, Copy, RunClaims, admit, attempt_of
 from .settings import Settings
 from .store import DelayedStore
 
@@ -294,16 +294,15 @@ class KafkaFeed:
         return arrival
 
     def _admit(self) -> None:
-        """Decide which of the records read may run (:class:`.once.Admission`), then hand them all
+        """Decide which of the records read may run (:func:`.once.admit`), then hand them all
         to the loop.  While the store or the result backend fails, the same records are tried
         again every :data:`ADMISSION_RETRY` s (nothing more is read meanwhile; a stopped feed
         leaves them to the next consumer), holding no claim in between."""
         arrivals = self._unadmitted
         runnable = [a for a in arrivals if a.problem is None]
-        admission = Admission([Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers))
-                               for a in runnable])
+        copies = [Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers)) for a in runnable]
         try:
-            verdicts = admission.decide(self.claims, self.c.app.backend, self.store.key_holder)
+            verdicts = admit(self.claims, copies, self.c.app.backend, self.store.key_holder)
         except TRANSIENT_ERRORS as exc:
             logger.warning("cannot tell yet whether %d tasks may run (%r); trying again in %.0f s",
                            len(runnable), exc, ADMISSION_RETRY)

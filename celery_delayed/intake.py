@@ -217,7 +217,7 @@ class Arrival:
     strategy: Any = None  # Celery's strategy for its task
     problem: str | None = None  # why it can never run (dead-lettered), with its traceback
     trace: str = ""
-    verdict: Verdict | None = None  # what Admission decided; None when it has a problem
+    verdict: Verdict | None = None  # what admit() decided; None when it has a problem
 
 
 def replace_key(headers: dict) -> str | None:

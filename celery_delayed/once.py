@@ -7,8 +7,8 @@ SET NX with a lease), unless the id was revoked (:func:`remember_revoked`) or it
 run from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`:
 this covers tasks whose result is ignored, or not stored, and attempts that ended
 in a retry, whose late copies must not run again), then checks the result backend
-for a terminal state.  :class:`Admission` takes that decision for all the copies
-a worker read together, in two round trips off the worker's event loop.  The
+for a terminal state.  :func:`admit` takes that decision for all the copies a
+worker read together, in two round trips off the worker's event loop.  The
 worker extends the claims of its running tasks while they run and releases each
 when Celery settles the task; a claim left by a killed worker expires after the
 lease.  A copy that finds the claim taken is put back in the store, due when the
@@ -70,6 +70,7 @@ class RunClaims:
         self._acquire, self._release, self._extend = (store.scripts[name] for name in ("acquire", "release", "extend"))
         self._held: set[str] = set()
         self._releasing: list[str] = []  # given up, not yet told to Redis (see release)
+        self._flush_failing = False
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
         self._keeper.start()
@@ -112,12 +113,17 @@ class RunClaims:
 
     def flush(self) -> None:
         """Tell Redis the pending releases; if it cannot be told, they are told with the next call
-        (meanwhile the claims only lapse after their lease)."""
+        (meanwhile the claims only lapse after their lease).  Called every 0.1 s at most, so a store
+        that stays down is reported once, not at every call."""
         if self._releasing:
             try:
                 self.acquire_many(())
             except STORE_ERRORS as exc:
-                logger.warning("%d run claims not released yet (%s); trying again", len(self._releasing), exc)
+                if not self._flush_failing:
+                    logger.warning("%d run claims not released yet (%s); trying again", len(self._releasing), exc)
+                self._flush_failing = True
+                return
+        self._flush_failing = False
 
     def _keep(self) -> None:
         while True:
@@ -140,7 +146,7 @@ ENDED = "F"
 
 
 class Admit(Enum):
-    """What a worker does with a copy of a task it read (:class:`Admission`)."""
+    """What a worker does with a copy of a task it read (:func:`admit`)."""
 
     RUN = "run"  # claimed: hand it to Celery
     FINISHED = "finished"  # this attempt, or the task, ended already: acknowledge it
@@ -158,55 +164,50 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Copy:
-    """A copy of a task read from Kafka, as :class:`Admission` needs it."""
+    """A copy of a task read from Kafka, as :func:`admit` needs it."""
 
     task_id: str
     attempt: int  # Celery's ``retries``
     key: str | None = None  # its replace-mode delayed_key, if any
 
 
-class Admission:
-    """The run-or-skip decision for copies read together: their run claims in one round trip to
-    the store (:meth:`RunClaims.acquire_many`), then the result backend's state of each in one
-    more (MGET on a key-value backend), so a copy that ended between the two cannot slip through.
+def admit(claims: RunClaims, copies: Sequence[Copy], backend: Any,
+          key_holder: Callable[[str], str | None]) -> list[Verdict]:
+    """The run-or-skip decision for copies read together, one :class:`Verdict` each, in order:
+    their run claims in one round trip to the store (:meth:`RunClaims.acquire_many`), then the
+    result backend's state of each in one more (MGET on a key-value backend), so a copy that
+    ended between the two cannot slip through.
 
-    If the backend or the store fails, :meth:`decide` gives back the claims it took and raises:
-    each try decides afresh, so no claim is held across an outage (it could lapse meanwhile and be
-    taken by another worker) nor by a feed that stopped before trying again.
+    Every claim taken but not run is released here, on one path: those of copies that must not
+    run, and all of them when the backend or the store fails (which raises).  So each try
+    decides afresh: no claim is held across an outage (it could lapse meanwhile and be taken by
+    another worker) nor by a feed that stopped before trying again.
     """
-
-    def __init__(self, copies: Sequence[Copy]) -> None:
-        self.copies = list(copies)
-
-    def decide(self, claims: RunClaims, backend: Any, key_holder: Callable[[str], str | None]) -> list[Verdict]:
-        """One :class:`Verdict` per copy, in order; claims not run (every verdict but RUN) are released."""
-        taken = claims.acquire_many([(c.task_id, c.attempt) for c in self.copies])
-        try:
-            metas = finished_many(backend, [c.task_id for c in self.copies])
-            holders = {key: key_holder(key) for key in {c.key for c in self.copies if c.key is not None}}
-        except BaseException:
-            for copy, claim in zip(self.copies, taken):
-                if claim == 0:
-                    claims.release(copy.task_id)
-            raise
-        verdicts = []
-        for copy, claim in zip(self.copies, taken):
-            if copy.task_id in metas:  # before REVOKED: a task both finished and revoked is finished
-                verdict = Verdict(Admit.FINISHED, meta=metas[copy.task_id])
-            elif copy.key is not None and holders[copy.key] not in (None, copy.task_id):
-                verdict = Verdict(Admit.REPLACED)
-            elif claim is Refused.REVOKED:
-                verdict = Verdict(Admit.REVOKED)
-            elif claim is Refused.FINISHED:
-                verdict = Verdict(Admit.FINISHED)
-            elif claim:
-                verdict = Verdict(Admit.BUSY, wait_ms=claim)
-            else:
-                verdict = Verdict(Admit.RUN)
-            if claim == 0 and verdict.admit is not Admit.RUN:
-                claims.release(copy.task_id)
-            verdicts.append(verdict)
+    taken = claims.acquire_many([(c.task_id, c.attempt) for c in copies])
+    verdicts: list[Verdict] = []
+    try:
+        metas = finished_many(backend, [c.task_id for c in copies])
+        holders = {key: key_holder(key) for key in {c.key for c in copies if c.key is not None}}
+        verdicts = [_verdict(copy, claim, metas, holders) for copy, claim in zip(copies, taken)]
         return verdicts
+    finally:
+        for i, (copy, claim) in enumerate(zip(copies, taken)):
+            if claim == 0 and (i >= len(verdicts) or verdicts[i].admit is not Admit.RUN):
+                claims.release(copy.task_id)
+
+
+def _verdict(copy: Copy, claim: int, metas: dict[str, dict], holders: dict[str, str | None]) -> Verdict:
+    if copy.task_id in metas:  # before REVOKED: a task both finished and revoked is finished
+        return Verdict(Admit.FINISHED, meta=metas[copy.task_id])
+    if copy.key is not None and holders[copy.key] not in (None, copy.task_id):
+        return Verdict(Admit.REPLACED)
+    if claim is Refused.REVOKED:
+        return Verdict(Admit.REVOKED)
+    if claim is Refused.FINISHED:
+        return Verdict(Admit.FINISHED)
+    if claim:
+        return Verdict(Admit.BUSY, wait_ms=claim)
+    return Verdict(Admit.RUN)
 
 
 def finished_many(backend: Any, task_ids: Sequence[str]) -> dict[str, dict]:

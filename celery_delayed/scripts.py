@@ -7,6 +7,7 @@ registered once per client and called by SHA (see :class:`.redis_client.Script`)
 """
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 
@@ -20,6 +21,7 @@ _LUA = resources.files(__package__) / "lua"
 NAMES = tuple(sorted(f.name[:-4] for f in _LUA.iterdir() if f.name.endswith(".lua") and not f.name.startswith("_")))
 
 
+@functools.cache  # read once per process, however many clients register the scripts
 def source(name: str) -> str:
     """The text of ``lua/<name>.lua``, each ``--- @include <steps>`` line replaced by ``lua/<steps>.lua``."""
     return _INCLUDE.sub(lambda line: _text(line[1]), _text(name))

@@ -29,7 +29,8 @@ __version__ = "0.1.0"
 
 __all__ = ["install", "store_of", "apply_many", "ApplyManyError", "Settings", "ConfigurationError", "DelayedStore",
            "StoreUnavailable", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight",
-           "DelayedControl", "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError", "__version__"]
+           "DelayedControl", "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError",
+           "__version__"]
 
 
 def install(app: Celery) -> Celery:

@@ -163,17 +163,10 @@ class KafkaFeed:
         ``worker_shutdown`` (sent after the pool stopped), whichever is first.
         Celery drops the requests it had reserved but not started when its
         consumer stops (a broker reconnect): those are never settled, so they
-        are not waited for; their records are read again by the next consumer
-        (and wait for their lapsed run claims).
+        are not waited for, and their records are read again by the next
+        consumer (see :meth:`.Intake.let_go`).
         """
-        running = {request.id for request in worker_state.active_requests}
-        self.intake.draining = self.intake.in_hand & running
-        # The others were dropped by Celery (prefork), or may still run (a threads pool's queue):
-        # their claims are no longer extended, so they lapse after the run lease unless the task
-        # settles first; a copy read again meanwhile waits in the store, and runs once.
-        for task_id in self.intake.in_hand - running:
-            self.intake.in_hand.discard(task_id)
-            self.claims.forget(task_id)
+        self.intake.let_go({request.id for request in worker_state.active_requests})
         self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from celery import signals, states
 from celery.exceptions import BackendError
+from celery.worker import state as worker_state
 from kombu.exceptions import OperationalError
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
@@ -39,14 +41,35 @@ logger = logging.getLogger(__name__)
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 
 
+#: Celery's requests of the tasks given to it from Kafka, by task id, while Celery holds them.
+_requests: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+
+#: Celery >= 5.7 cancels the ETA timer entries of the requests it drops when its consumer
+#: restarts, and forgets every one it dropped; before, a dropped request cannot be told.
+_DROPS_ARE_FORGOTTEN = hasattr(worker_state, "scheduled_requests")
+
+
 @signals.task_received.connect
-def _restore_eta(request: Any = None, **_: Any) -> None:
+def _on_request(request: Any = None, **_: Any) -> None:
     """A task from Kafka sees the ETA it was scheduled with (``self.request.eta``), though
     Celery's timer never held it: the strategy has read the message, so the ETA goes back into
-    the request's dict, which the pool builds the task's context from."""
+    the request's dict, which the pool builds the task's context from.  The request is kept
+    (weakly) so that a stopped feed can tell whether Celery dropped it (:meth:`Intake.let_go`)."""
     marks = request.request_dict.get(FROM_KAFKA) if request is not None else None
-    if isinstance(marks, dict) and marks.get("eta"):
-        request.request_dict["eta"] = marks["eta"]
+    if isinstance(marks, dict):
+        _requests[request.id] = request
+        if marks.get("eta"):
+            request.request_dict["eta"] = marks["eta"]
+
+
+def dropped_by_celery(task_id: str) -> bool:
+    """Whether Celery dropped the request of ``task_id`` without giving it to its pool, so it can
+    never run: its consumer restarted (a broker reconnect) while the request waited for its ETA,
+    a pool slot or a rate limit, and forgot it.  A request already given to the pool may still
+    run (a job written to a child, a threads pool's queue), so it is never counted as dropped."""
+    request = _requests.get(task_id)
+    return (_DROPS_ARE_FORGOTTEN and request is not None and request._apply_result is None
+            and worker_state.requests.get(task_id) is not request)
 
 
 class Intake:
@@ -144,6 +167,20 @@ class Intake:
             raise
         except Exception as exc:
             raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
+
+    def let_go(self, running: set[str]) -> None:
+        """Once the feed stopped: wait for the tasks in hand that run (``draining``) and stop
+        holding the others.  Those Celery dropped never run, so their claims are released and the
+        copies the next consumer reads run at once; the others' claims are no longer extended:
+        they lapse after the run lease unless the task settles first, and a copy read meanwhile
+        waits in the store, then runs once."""
+        self.draining = self.in_hand & running
+        for task_id in self.in_hand - running:
+            self.in_hand.discard(task_id)
+            if dropped_by_celery(task_id):
+                self.claims.release(task_id)
+            else:
+                self.claims.forget(task_id)
 
     def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
         """Put a rejected task back in the store, then settle it; while the store is down, try

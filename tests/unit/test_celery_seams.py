@@ -5,6 +5,7 @@ import inspect
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
+from celery.worker.request import Request
 
 from celery_delayed.client import DelayedAMQP
 from tasks import create_app
@@ -25,6 +26,19 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
     source = inspect.getsource(Consumer)
     for name in ("strategies", "qos", "hub", "on_task_message"):
         assert f"self.{name}" in source, name
+
+
+def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():
+    """intake.dropped_by_celery reads ``Request._apply_result`` (private: set once the request is
+    given to the pool), and relies on Celery >= 5.7's ``Consumer.on_close`` cancelling the ETA
+    timer entries of the requests it drops and removing every dropped one from ``requests``."""
+    from celery_delayed.intake import _DROPS_ARE_FORGOTTEN
+
+    assert Request._apply_result is None
+    assert "self._apply_result = " in inspect.getsource(Request.execute_using_pool)
+    assert _DROPS_ARE_FORGOTTEN  # the tested Celery (constraints.txt) has it
+    on_close = inspect.getsource(Consumer.on_close)
+    assert "self.timer.cancel(entry)" in on_close and "requests.pop(r.id, None)" in on_close
 
 
 def test_a_failure_after_the_body_carries_a_traceback_through_a_step_failures_py_knows():

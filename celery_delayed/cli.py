@@ -27,7 +27,8 @@ from .outcomes import Change, StoreUnavailable
 from .poller import Poller
 from .revoke import cancel_scheduled
 from .settings import ConfigurationError, Settings
-from .store import MAX_PAGE, DelayedStore
+from .inspection import MAX_PAGE
+from .store import DelayedStore
 
 console = Console()
 

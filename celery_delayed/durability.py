@@ -1,4 +1,9 @@
-"""Start-up checks of the store's Redis, run by the poller and the workers.
+"""What keeps scheduled tasks from being lost in the store's Redis.
+
+Writes that wait (:class:`DurableWrites`): with ``delayed_schedule_wait``, a
+schedule write returns once replicas (``WAIT``) or the AOF (``WAITAOF``) hold it.
+
+Start-up checks, run by the poller and the workers:
 
 - The layout (partitions, bucket width, format) must be the one the store was
   written with (:meth:`DelayedStore.check_layout`).
@@ -13,11 +18,93 @@ import logging
 
 import redis
 
-from .outcomes import STORE_ERRORS
+from typing import TYPE_CHECKING, Any
+
+from .outcomes import STORE_ERRORS, StoreNotDurable
 from .settings import ConfigurationError
-from .store import DelayedStore
+
+if TYPE_CHECKING:  # the store uses DurableWrites
+    from .store import DelayedStore
 
 logger = logging.getLogger(__name__)
+
+
+class DurableWrites:
+    """The ``delayed_schedule_wait`` policy of one store's schedule writes."""
+
+    def __init__(self, store: DelayedStore) -> None:
+        self.store = store
+        self.policy = store.settings.wait_policy
+        self._waitaof_checked = False
+
+    def end(self, pipe: redis.client.Pipeline, partitions: list[int]) -> None:
+        """End a schedule pipeline writing to ``partitions`` with its wait: on the pipeline's own
+        connection, as ``WAIT`` and ``WAITAOF`` count that connection's writes.  A cluster
+        pipeline's connections are not ours: it is waited for per node after it ran (:meth:`confirm`)."""
+        if self.policy is None:
+            return
+        if isinstance(self.store.redis, redis.RedisCluster):
+            pipe.delayed_partitions = partitions
+        else:
+            self._wait(pipe)
+
+    def confirm(self, pipe: redis.client.Pipeline, replies: list) -> list:
+        """The replies of a schedule pipeline that ran, without its wait's; raises
+        :class:`StoreNotDurable` when the writes are not held as the policy asks."""
+        if self.policy is None:
+            return replies
+        if isinstance(self.store.redis, redis.RedisCluster):
+            self._wait_on_nodes(pipe.delayed_partitions)
+            return replies
+        self._check(replies.pop())
+        return replies
+
+    def _wait_on_nodes(self, partitions: list[int]) -> None:
+        """``WAIT``/``WAITAOF`` on every primary that holds one of ``partitions``, after their writes.
+
+        Both count the writes of their own connection, and a cluster pipeline's connections are not
+        ours to use; but a primary's replication stream is ordered, so a write sent after the
+        pipeline's answer, on a connection of our own, is replicated after them: a ``SET`` of the
+        partition's short-lived ``wait`` key, then the wait.  A primary that moved meanwhile answers
+        ``MOVED`` (a store error): the write is then not confirmed, and scheduling again is safe.
+        """
+        keys, by_node = self.store.keys, {}
+        for p in partitions:
+            node = self.store.redis.get_node_from_key(keys.wait_probe(p))
+            by_node.setdefault(node.name, (node, p))
+        for node, p in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            pipe.execute_command("SET", keys.wait_probe(p), 1, "PX", 60_000)
+            self._wait(pipe)
+            self._check(self.store._unchecked(pipe.execute)[-1])
+
+    def _wait(self, pipe: redis.client.Pipeline) -> None:
+        if self.policy.aof:
+            self._require_waitaof()
+            pipe.execute_command("WAITAOF", 1, self.policy.replicas, self.policy.timeout_ms)
+        else:
+            pipe.execute_command("WAIT", self.policy.replicas, self.policy.timeout_ms)
+
+    def _require_waitaof(self) -> None:
+        """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
+        if self._waitaof_checked:
+            return
+        version = self.store._call_redis(self.store.redis.info, "server")["redis_version"]
+        if tuple(map(int, version.split(".")[:2])) < (7, 2):
+            raise ConfigurationError(f"delayed_schedule_wait={self.store.settings.schedule_wait!r} needs WAITAOF, "
+                                     f"new in Redis 7.2; the store's Redis is {version} (use replicas=N with WAIT "
+                                     "instead)")
+        self._waitaof_checked = True
+
+    def _check(self, acked: Any) -> None:
+        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets the policy."""
+        local, replicas = acked if self.policy.aof else (1, acked)
+        if not local or replicas < self.policy.replicas:
+            raise StoreNotDurable(
+                f"schedule write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
+                f"{self.store.settings.schedule_wait!r}): {replicas} of {self.policy.replicas} replicas acknowledged "
+                f"it{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
+                "fails now (scheduling them again is safe)")
 
 
 def preflight(store: DelayedStore, role: str) -> None:

@@ -12,30 +12,31 @@ partition's tasks that way up to ~12 tasks/s of due times per partition
 Ids are stored as their 16 bytes when they are canonical UUIDs (Celery's
 default), saving ~40 B more per task (:func:`.layout.member_of`).
 
-Every change touching more than one key is a Lua script from ``lua/``.
+Every change touching more than one key is a Lua script from ``lua/``.  The
+store's reads are in :mod:`.inspection`; the waits of ``delayed_schedule_wait``
+in :mod:`.durability`.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator, Sized
+from typing import Callable, Iterable, Iterator, Sized
 
 import redis
 
-from .envelope import Envelope
+from .durability import DurableWrites
+from .inspection import Inspection
 from .keys import Keys
-from .layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of, iso_of, member_of,
+from .layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of, member_of,
                      partition_of, task_id_of)
-from .outcomes import Change, Fenced, LayoutMismatch, Stored, StoreNotDurable, StoreUnavailable
+from .outcomes import Change, Fenced, LayoutMismatch, Stored, StoreUnavailable
 from .redis_client import UNREACHABLE, connect, execute
 from .scripts import Scripts
-from .settings import ConfigurationError, Settings, redact_url
+from .settings import Settings, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,6 @@ SENDERS = 2
 #: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
 #: within Lua's ``unpack`` limit (~8000 values).
 SCRIPT_PAIRS = 1000
-#: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
-MAX_PAGE = 10_000
 
 
 @dataclass(frozen=True)
@@ -64,16 +63,8 @@ class Claim:
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
 
 
-@dataclass(frozen=True)
-class Page:
-    """One page of :meth:`DelayedStore.upcoming`: tasks in due order, and where the next page starts."""
-
-    items: list[dict]
-    cursor: str | None  # pass as ``after`` for the next page; None when this was the last
-
-
-class DelayedStore:
-    """Schedule, claim, acknowledge and inspect delayed tasks in Redis."""
+class DelayedStore(Inspection):
+    """Schedule, claim and acknowledge delayed tasks in Redis; read them (:class:`.Inspection`)."""
 
     def __init__(self, settings: Settings, client: redis.Redis | redis.RedisCluster | None = None) -> None:
         self.settings = settings
@@ -83,8 +74,8 @@ class DelayedStore:
             raise StoreUnavailable(self._unavailable(exc)) from exc
         self.keys = Keys(settings.key_prefix)
         self._layout_checked = False
-        self._waitaof_checked = False
         self.scripts = Scripts(self.redis)
+        self.durable = DurableWrites(self)
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
@@ -159,82 +150,13 @@ class DelayedStore:
                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
                                              client=pipe)
-            if isinstance(self.redis, redis.RedisCluster):  # waited for per node after the pipeline (_send)
-                pipe.delayed_partitions = sorted(by_partition)
-            else:
-                self._wait_durable(pipe)
+            self.durable.end(pipe, sorted(by_partition))
             done += len(batch)
             yield pipe, len(batch)
 
-    def _wait_durable(self, pipe: redis.client.Pipeline) -> None:
-        """End a schedule pipeline with ``WAIT``/``WAITAOF`` when ``delayed_schedule_wait`` asks for it:
-        on the pipeline's own connection, as both count that connection's writes."""
-        policy = self.settings.wait_policy
-        if policy is None:
-            return
-        if policy.aof:
-            self._require_waitaof()
-            pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
-        else:
-            pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
-
-    def _require_waitaof(self) -> None:
-        """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
-        if self._waitaof_checked:
-            return
-        version = self._call_redis(self.redis.info, "server")["redis_version"]
-        if tuple(map(int, version.split(".")[:2])) < (7, 2):
-            raise ConfigurationError(f"delayed_schedule_wait={self.settings.schedule_wait!r} needs WAITAOF, new in "
-                                     f"Redis 7.2; the store's Redis is {version} (use replicas=N with WAIT instead)")
-        self._waitaof_checked = True
-
     def _send(self, pipe: redis.client.Pipeline) -> list:
-        """Run a schedule pipeline; with ``delayed_schedule_wait``, check and drop its last reply (the wait's),
-        or on a cluster wait on each primary the pipeline wrote to (:meth:`_wait_on_nodes`)."""
-        replies = self.execute(pipe)
-        policy = self.settings.wait_policy
-        if policy is None:
-            return replies
-        if isinstance(self.redis, redis.RedisCluster):
-            self._wait_on_nodes(pipe.delayed_partitions)
-            return replies
-        self._check_durable(replies.pop())
-        return replies
-
-    def _wait_on_nodes(self, partitions: list[int]) -> None:
-        """``WAIT``/``WAITAOF`` on every primary that holds one of ``partitions``, after their writes.
-
-        Both count the writes of their own connection, and a cluster pipeline's connections are not
-        ours to use; but a primary's replication stream is ordered, so a write sent after the
-        pipeline's answer, on a connection of our own, is replicated after them: a ``SET`` of the
-        partition's short-lived ``wait`` key, then the wait.  A primary that moved meanwhile answers
-        ``MOVED`` (a store error): the write is then not confirmed, and scheduling again is safe.
-        """
-        policy = self.settings.wait_policy
-        by_node: dict[str, tuple[Any, int]] = {}
-        for p in partitions:
-            node = self.redis.get_node_from_key(self.keys.wait_probe(p))
-            by_node.setdefault(node.name, (node, p))
-        for node, p in by_node.values():
-            pipe = node.redis_connection.pipeline(transaction=False)
-            pipe.execute_command("SET", self.keys.wait_probe(p), 1, "PX", 60_000)
-            if policy.aof:
-                self._require_waitaof()
-                pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
-            else:
-                pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
-            self._check_durable(self._unchecked(pipe.execute)[-1])
-
-    def _check_durable(self, acked: Any) -> None:
-        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets ``delayed_schedule_wait``."""
-        policy = self.settings.wait_policy
-        local, replicas = acked if policy.aof else (1, acked)
-        if not local or replicas < policy.replicas:
-            raise StoreNotDurable(
-                f"schedule write not durable within {policy.timeout_ms} ms (delayed_schedule_wait="
-                f"{self.settings.schedule_wait!r}): {replicas} of {policy.replicas} replicas acknowledged it"
-                f"{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
-                "fails now (scheduling them again is safe)")
+        """Run a schedule pipeline and confirm its writes as ``delayed_schedule_wait`` asks."""
+        return self.durable.confirm(pipe, self.execute(pipe))
 
     @classmethod
     def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:
@@ -298,99 +220,10 @@ class DelayedStore:
                ).check(task_id, "rescheduled")
         return due_ms
 
-    # -- inspection ------------------------------------------------------------
-    def get(self, task_id: str) -> dict | None:
-        """Where a task stands in the store, or None if the store does not hold it."""
-        p, member = self.partition(task_id), member_of(task_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.keys.msgs(p), member)
-        pipe.zscore(self.keys.inflight(p), member)
-        stored, deadline = self.execute(pipe)
-        if stored is None:
-            return None
-        data = _envelope_of(stored)
-        envelope = Envelope.decode(data)
-        due = None
-        if deadline is None:
-            due = self._call_redis(self.redis.zscore, self.keys.bucket(p, _BUCKET.unpack_from(stored)[0]), member)
-        due_ms = int(due) if due is not None else None
-        return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
-                "state": "inflight" if deadline is not None else "scheduled",
-                "due_ms": due_ms, "eta": iso_of(due_ms),
-                "inflight_deadline_ms": int(deadline) if deadline is not None else None,
-                "expires": envelope.headers.get("expires"), "stored_bytes": len(data),
-                "headers": envelope.headers}
-
-    def message(self, task_id: str) -> bytes | None:
-        """The stored envelope of a task (scheduled or in flight), or None."""
-        stored = self._call_redis(self.redis.hget, self.keys.msgs(self.partition(task_id)), member_of(task_id))
-        return None if stored is None else _envelope_of(stored)
-
-    def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
-        """The next ``limit`` scheduled tasks across all partitions, in due order.
-
-        Each partition's next ``limit`` entries are read in one pipeline and merged
-        (ties in due time are ordered by task id, as within a sorted set).
-        ``after`` is the ``cursor`` of the previous page.  Items: ``task_id``,
-        ``due_ms``, ``eta``, ``partition``, ``task``, ``queue``; a task dispatched
-        between the two reads is left out.
-        """
-        if not 1 <= limit <= MAX_PAGE:
-            raise ValueError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
-        start_ms, skips = _parse_cursor(after, self.settings.partitions)
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):  # one more than a page: is there a next one?
-            self.scripts["upcoming"](keys=[self.keys.buckets(p)],
-                                     args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
-                                           "" if start_ms is None else start_ms, skips.get(p, 0), limit + 1],
-                                     client=pipe)
-        heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
-                 for p, rows in enumerate(self.execute(pipe))]
-        page = list(itertools.islice(heapq.merge(*heads), limit + 1))
-        cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
-        return Page(self._describe(page[:limit]), cursor)
-
-    def _describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
-        pipe = self.redis.pipeline(transaction=False)
-        for _, member, p in entries:
-            pipe.hget(self.keys.msgs(p), member)
-        items = []
-        for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
-            if stored is not None:
-                envelope = Envelope.decode(_envelope_of(stored))
-                items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
-                              "task": envelope.task_name, "queue": envelope.queue})
-        return items
-
-    def counts(self) -> list[dict]:
-        """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),
-        ``next_due_ms`` (its earliest task, overdue or not), ``oldest_overdue_s`` (how long that
-        one is past due, None when nothing is overdue) and ``upcoming_due_ms`` (the earliest
-        task not yet due)."""
-        now_ms = self.now_ms()
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):
-            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
-                                   client=pipe)
-        rows = []
-        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
-            rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
-                         "next_due_ms": next_due if next_due >= 0 else None,
-                         "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
-                         "upcoming_due_ms": upcoming if upcoming >= 0 else None})
-        return rows
-
     def now_ms(self) -> int:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
         seconds, micros = self._call_redis(self.redis.time)
         return seconds * 1000 + micros // 1000
-
-    def fences(self) -> list[int]:
-        """Per partition, the highest fencing token that has claimed it (0 = none yet)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):
-            pipe.get(self.keys.fence(p))
-        return [int(fence or 0) for fence in self.execute(pipe)]
 
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int) -> Claim:
@@ -485,11 +318,6 @@ def _pairs(claimed: list[tuple[str, int]]) -> list:
     return [value for task_id, stamp in claimed for value in (member_of(task_id), stamp)]
 
 
-def _envelope_of(stored: bytes) -> bytes:
-    """A stored message without its leading bucket start."""
-    return stored[_BUCKET.size:]
-
-
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
     batch: list = []
     for item in items:
@@ -517,28 +345,3 @@ def _in_range(due_ms: int, what: str = "") -> int:
     if not 0 <= due_ms < MAX_DUE_MS:
         raise ValueError(f"{what}due time must be between 1970 and 2106 (ms since the epoch), got {due_ms}")
     return due_ms
-
-
-def _parse_cursor(cursor: str | None, partitions: int) -> tuple[int | None, dict[int, int]]:
-    """``(due ms, {partition: entries at that due time already returned})`` of a page cursor."""
-    if cursor is None:
-        return None, {}
-    try:
-        due, _, skips = cursor.partition(":")
-        parsed = {int(p): int(n) for p, n in (pair.split("=") for pair in skips.split(",") if pair)}
-        if any(not 0 <= p < partitions or n < 0 for p, n in parsed.items()):
-            raise ValueError(cursor)
-        return int(due), parsed
-    except ValueError:
-        raise ValueError(f"not a cursor of upcoming(): {cursor!r}") from None
-
-
-def _next_cursor(page: list[tuple[int, bytes, int]], start_ms: int | None, skips: dict[int, int]) -> str:
-    """The cursor after ``page``: its last due time, and per partition how many entries at that due
-    time were returned so far (the next page skips them)."""
-    last_ms = page[-1][0]
-    seen = dict(skips) if last_ms == start_ms else {}
-    for due_ms, _, p in page:
-        if due_ms == last_ms:
-            seen[p] = seen.get(p, 0) + 1
-    return f"{last_ms}:" + ",".join(f"{p}={n}" for p, n in sorted(seen.items()))

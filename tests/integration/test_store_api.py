@@ -9,7 +9,8 @@ import pytest
 
 from celery_delayed.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 from celery_delayed.settings import Settings
-from celery_delayed.store import MAX_PAGE, DelayedStore
+from celery_delayed.inspection import MAX_PAGE
+from celery_delayed.store import DelayedStore
 
 from .support import envelopes, wait_for
 

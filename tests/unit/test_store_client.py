@@ -13,7 +13,8 @@ import celery_delayed
 from celery_delayed.client import DelayedPublishError
 from celery_delayed.keys import Keys
 from celery_delayed.layout import due_ms_of, member_of, task_id_of
-from celery_delayed.store import _checked_due_ms, _next_cursor, _parse_cursor
+from celery_delayed.inspection import _next_cursor, _parse_cursor
+from celery_delayed.store import _checked_due_ms
 
 
 def test_due_times_naive_is_utc():

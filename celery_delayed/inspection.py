@@ -1,0 +1,160 @@
+"""Reading the store without changing it: one task, the next page of the schedule, counts, fences.
+
+:class:`.DelayedStore` inherits these (as BullMQ's ``Queue`` its ``QueueGetters``), so
+the operators' views (``delayed show/upcoming/status``, Flower, metrics) live apart
+from the writes that move tasks.  Every read is bounded: a page reads at most its
+``limit`` (+1) entries per partition, counts one script call per partition.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .envelope import Envelope
+from .layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
+
+if TYPE_CHECKING:
+    from .keys import Keys
+    from .scripts import Scripts
+    from .settings import Settings
+
+#: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
+MAX_PAGE = 10_000
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of :meth:`DelayedStore.upcoming`: tasks in due order, and where the next page starts."""
+
+    items: list[dict]
+    cursor: str | None  # pass as ``after`` for the next page; None when this was the last
+
+
+class Inspection:
+    """The store's reads (a base of :class:`.DelayedStore`, whose client, keys, scripts and
+    ``partition``/``execute``/``now_ms`` they use)."""
+
+    settings: Settings
+    redis: Any
+    keys: Keys
+    scripts: Scripts
+
+    def get(self, task_id: str) -> dict | None:
+        """Where a task stands in the store, or None if the store does not hold it."""
+        p, member = self.partition(task_id), member_of(task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.msgs(p), member)
+        pipe.zscore(self.keys.inflight(p), member)
+        stored, deadline = self.execute(pipe)
+        if stored is None:
+            return None
+        data = _envelope_of(stored)
+        envelope = Envelope.decode(data)
+        due = None
+        if deadline is None:
+            due = self._call_redis(self.redis.zscore, self.keys.bucket(p, _BUCKET.unpack_from(stored)[0]), member)
+        due_ms = int(due) if due is not None else None
+        return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
+                "state": "inflight" if deadline is not None else "scheduled",
+                "due_ms": due_ms, "eta": iso_of(due_ms),
+                "inflight_deadline_ms": int(deadline) if deadline is not None else None,
+                "expires": envelope.headers.get("expires"), "stored_bytes": len(data),
+                "headers": envelope.headers}
+
+    def message(self, task_id: str) -> bytes | None:
+        """The stored envelope of a task (scheduled or in flight), or None."""
+        stored = self._call_redis(self.redis.hget, self.keys.msgs(self.partition(task_id)), member_of(task_id))
+        return None if stored is None else _envelope_of(stored)
+
+    def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
+        """The next ``limit`` scheduled tasks across all partitions, in due order.
+
+        Each partition's next ``limit`` entries are read in one pipeline and merged
+        (ties in due time are ordered by task id, as within a sorted set).
+        ``after`` is the ``cursor`` of the previous page.  Items: ``task_id``,
+        ``due_ms``, ``eta``, ``partition``, ``task``, ``queue``; a task dispatched
+        between the two reads is left out.
+        """
+        if not 1 <= limit <= MAX_PAGE:
+            raise ValueError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
+        start_ms, skips = _parse_cursor(after, self.settings.partitions)
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):  # one more than a page: is there a next one?
+            self.scripts["upcoming"](keys=[self.keys.buckets(p)],
+                                     args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
+                                           "" if start_ms is None else start_ms, skips.get(p, 0), limit + 1],
+                                     client=pipe)
+        heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
+                 for p, rows in enumerate(self.execute(pipe))]
+        page = list(itertools.islice(heapq.merge(*heads), limit + 1))
+        cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
+        return Page(self._describe(page[:limit]), cursor)
+
+    def _describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
+        pipe = self.redis.pipeline(transaction=False)
+        for _, member, p in entries:
+            pipe.hget(self.keys.msgs(p), member)
+        items = []
+        for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
+            if stored is not None:
+                envelope = Envelope.decode(_envelope_of(stored))
+                items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
+                              "task": envelope.task_name, "queue": envelope.queue})
+        return items
+
+    def counts(self) -> list[dict]:
+        """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),
+        ``next_due_ms`` (its earliest task, overdue or not), ``oldest_overdue_s`` (how long that
+        one is past due, None when nothing is overdue) and ``upcoming_due_ms`` (the earliest
+        task not yet due)."""
+        now_ms = self.now_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
+                                   client=pipe)
+        rows = []
+        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
+            rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
+                         "next_due_ms": next_due if next_due >= 0 else None,
+                         "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
+                         "upcoming_due_ms": upcoming if upcoming >= 0 else None})
+        return rows
+
+    def fences(self) -> list[int]:
+        """Per partition, the highest fencing token that has claimed it (0 = none yet)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            pipe.get(self.keys.fence(p))
+        return [int(fence or 0) for fence in self.execute(pipe)]
+
+
+def _envelope_of(stored: bytes) -> bytes:
+    """A stored message without its leading bucket start."""
+    return stored[_BUCKET.size:]
+
+
+def _parse_cursor(cursor: str | None, partitions: int) -> tuple[int | None, dict[int, int]]:
+    """``(due ms, {partition: entries at that due time already returned})`` of a page cursor."""
+    if cursor is None:
+        return None, {}
+    try:
+        due, _, skips = cursor.partition(":")
+        parsed = {int(p): int(n) for p, n in (pair.split("=") for pair in skips.split(",") if pair)}
+        if any(not 0 <= p < partitions or n < 0 for p, n in parsed.items()):
+            raise ValueError(cursor)
+        return int(due), parsed
+    except ValueError:
+        raise ValueError(f"not a cursor of upcoming(): {cursor!r}") from None
+
+
+def _next_cursor(page: list[tuple[int, bytes, int]], start_ms: int | None, skips: dict[int, int]) -> str:
+    """The cursor after ``page``: its last due time, and per partition how many entries at that due
+    time were returned so far (the next page skips them)."""
+    last_ms = page[-1][0]
+    seen = dict(skips) if last_ms == start_ms else {}
+    for due_ms, _, p in page:
+        if due_ms == last_ms:
+            seen[p] = seen.get(p, 0) + 1
+    return f"{last_ms}:" + ",".join(f"{p}={n}" for p, n in sorted(seen.items()))

@@ -38,11 +38,11 @@ class Delivery:
 
     ``store_thread`` runs the acks and nacks (the poller's claims too, so the
     store sees them in the order they were made); ``on_nacked(partition)`` is
-    told when copies of a partition return to due; ``stats`` is the poller's.
+    told when copies of a partition return to due; ``stats`` is the poller's counts.
     """
 
     def __init__(self, settings: Settings, store: DelayedStore, store_thread: ThreadPoolExecutor,
-                 stats: dict[str, int], on_nacked: Callable[[int], None], producer: Producer | None = None,
+                 stats: metrics.PollerCounts, on_nacked: Callable[[int], None], producer: Producer | None = None,
                  backend: ResultBackend | None = None) -> None:
         self.settings = settings
         self.store = store
@@ -199,7 +199,7 @@ class Delivery:
         """After a fatal error a producer refuses everything for good (an idempotent producer that
         lost its sequence cannot go on): what it still holds returns to due, a new one takes over."""
         logger.error("Kafka producer failed fatally (%s): replacing it", err)
-        self.stats["producer_replaced"] += 1
+        self.stats.add("producer_replaced")
         old, self.producer = self.producer, make_producer(self.settings)
         try:
             old.purge()  # each undelivered message gets a failed delivery report...
@@ -248,14 +248,12 @@ class Delivery:
         return fatal
 
     def _acked(self, delivered: int, acked: int) -> None:
-        self.stats["dispatched"] += delivered
-        self.stats["superseded"] += delivered - acked  # a retry or put-back came first
-        metrics.DISPATCHED.inc(delivered)
+        self.stats.add("dispatched", delivered)
+        self.stats.add("superseded", delivered - acked)  # a retry or put-back came first
 
     def _nacked(self, partition: int, failed: int) -> None:
         self._on_nacked(partition)
-        self.stats["delivery_failed"] += failed
-        metrics.DELIVERY_FAILED.inc(failed)
+        self.stats.add("delivery_failed", failed)
 
     def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
@@ -266,5 +264,4 @@ class Delivery:
             logger.warning("could not dead-letter %s: %s", task_id, exc)
             return
         self._settle(self.store.ack, partition, [(task_id, stamp)])
-        self.stats["dead_lettered"] += 1
-        metrics.DEAD_LETTERED.labels("poller").inc()
+        self.stats.add("dead_lettered")

@@ -18,10 +18,37 @@ from prometheus_client.utils import floatToGoString
 
 logger = logging.getLogger(__name__)
 
-DISPATCHED = Counter("celery_delayed_dispatched", "Tasks delivered to Kafka by this poller")
-DELIVERY_FAILED = Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)")
 DEAD_LETTERED = Counter("celery_delayed_dead_lettered", "Messages moved to the dead-letter queue", ["source"])
-FENCE_REJECTIONS = Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists")
+
+#: What a poller counts, by name: the Prometheus counter of each.
+_POLLER_COUNTERS = {
+    "dispatched": Counter("celery_delayed_dispatched", "Tasks delivered to Kafka by this poller"),
+    "superseded": Counter("celery_delayed_superseded", "Delivered copies a newer one (a retry, a put-back) "
+                          "replaced before their ack: the newer copy stays scheduled"),
+    "delivery_failed": Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)"),
+    "dead_lettered": DEAD_LETTERED.labels("poller"),
+    "fenced": Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists"),
+    "producer_replaced": Counter("celery_delayed_producers_replaced", "Kafka producers replaced after a fatal "
+                                 "error (what they held returned to due)"),
+}
+
+
+class PollerCounts:
+    """What one poller did, counted once: each :meth:`add` is read back per poller (``counts[name]``:
+    logs, tests running several pollers in one process) and adds to the process's Prometheus counter."""
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(_POLLER_COUNTERS, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+        _POLLER_COUNTERS[name].inc(n)
+
+    def __getitem__(self, name: str) -> int:
+        return self._counts[name]
+
+    def __repr__(self) -> str:
+        return repr(self._counts)
 
 
 class BatchHistogram(Collector):

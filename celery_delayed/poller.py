@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator
 
@@ -80,7 +80,7 @@ class Poller:
         self.settings = settings
         self.store = store or DelayedStore(settings)
         self.leadership = leadership or Leadership(settings)
-        self.stats: dict[str, int] = defaultdict(int)
+        self.stats = metrics.PollerCounts()
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="delayed-store")
         self.delivery = Delivery(settings, self.store, self._store_thread, self.stats, on_nacked=self._due_again,
                                  producer=producer, backend=backend)
@@ -121,7 +121,7 @@ class Poller:
                 leader.join(timeout=self.settings.lease_ttl + 5)
                 self.leadership.release()
             metrics.LEADING.clear()
-            logger.info("poller %s stopped: %s", self.leadership.id, dict(self.stats))
+            logger.info("poller %s stopped: %s", self.leadership.id, self.stats)
 
     def _preflight(self) -> bool:
         """Check the store before leading anything, waiting for it while it is down; False if stopped meanwhile."""
@@ -157,8 +157,7 @@ class Poller:
                if sweep or self._next_due.get(partition, 0) <= horizon_ms]
         for partition, token, budget, claim in self._claims(due):
             if isinstance(claim, Fenced):
-                self.stats["fenced"] += 1
-                metrics.FENCE_REJECTIONS.inc()
+                self.stats.add("fenced")
                 logger.warning("%s: stop dispatching it", claim)
                 self._fenced(partition, token)
                 continue

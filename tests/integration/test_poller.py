@@ -231,6 +231,7 @@ def test_poller_metrics_endpoint(overrides, processes):
     assert sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("celery_delayed_scheduled{")) == 5
     assert 'celery_delayed_leading{partition="0"} 1.0' in text
+    assert "celery_delayed_superseded_total 0.0" in text and "celery_delayed_fence_rejections_total 0.0" in text
 
 
 def test_message_kafka_refuses_goes_to_the_dead_letter_queue(overrides, processes):

@@ -29,6 +29,56 @@ class ConfigurationError(ValueError):
     """A ``delayed_*`` setting has a value celery-delayed cannot use."""
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, str) and value.lower() in _BOOLS:
+        return _BOOLS[value.lower()]
+    if not isinstance(value, bool):
+        raise ValueError(value)
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
+def _mapping(value: Any) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(value)
+    return dict(value)
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value
+
+
+def _joined(value: Any) -> str:
+    """A list of addresses (as ``broker_url`` lists may be written) or one comma-separated string."""
+    return ",".join(value) if isinstance(value, (list, tuple)) else _str(value)
+
+
+#: How a raw setting (often a string from the environment) becomes a field's value, by the field's
+#: annotation; a field's ``metadata["parse"]`` overrides it.
+_PARSERS = {"int": _int, "bool": _bool, "float": _float, "Mapping[str, Any]": _mapping, "str | None": _optional_str,
+            "str": _str}
+
+
 @dataclass(frozen=True)
 class Settings:
     """Validated celery-delayed configuration; defaults match a local install."""
@@ -40,11 +90,11 @@ class Settings:
     #: affected: Celery's Redis backend needs a standalone Redis.
     redis_cluster: bool = False
     #: Kafka bootstrap servers, ``host:port[,host:port...]``.
-    kafka_servers: str = "127.0.0.1:9092"
+    kafka_servers: str = field(default="127.0.0.1:9092", metadata={"parse": _joined})
     #: Extra confluent-kafka settings for producer, consumer and admin (SASL/SSL...).
     kafka_config: Mapping[str, Any] = field(default_factory=dict)
     #: etcd endpoints, ``[http(s)://]host:port[,...]`` (http when no scheme is given, as etcdctl reads them).
-    etcd_endpoints: str = "http://127.0.0.1:2379"
+    etcd_endpoints: str = field(default="http://127.0.0.1:2379", metadata={"parse": _joined})
     etcd_user: str | None = None
     etcd_password: str | None = None
     #: CA certificate file for an etcd behind TLS.
@@ -254,7 +304,6 @@ class WaitPolicy:
     timeout_ms: int
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
 _SECRET = re.compile(r"password|secret|key|token", re.I)
 #: A query parameter whose name says it holds a secret (redis-py reads ``?password=``), up to its value.
@@ -278,36 +327,10 @@ def _require(ok: bool, name: str, message: str) -> None:
 
 
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
-    """Coerce a raw setting (often a string from the environment) to the field's type."""
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    """Coerce a raw setting to the field's type; ConfigurationError naming the setting when it cannot."""
+    parse = f.metadata.get("parse") or _PARSERS[f.type]
     try:
-        if kind == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(value)
-        if kind == "bool":
-            if isinstance(value, str) and value.lower() in _BOOLS:
-                return _BOOLS[value.lower()]
-            if not isinstance(value, bool):
-                raise ValueError(value)
-            return value
-        if kind == "float":
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
-        if kind.startswith("Mapping"):
-            if not isinstance(value, Mapping):
-                raise ValueError(value)
-            return dict(value)
-        if kind == "str | None":
-            return None if value in (None, "") else str(value)
-        if name == "etcd_endpoints" and isinstance(value, (list, tuple)):
-            return ",".join(value)
-        if name == "kafka_servers" and isinstance(value, (list, tuple)):
-            return ",".join(value)
-        if not isinstance(value, str):
-            raise ValueError(value)
-        return value
+        return parse(value)
     except (TypeError, ValueError):
         shown = f"a {type(value).__name__} (not shown: it may hold a secret)" if name in _SECRET_FIELDS else repr(value)
-        raise ConfigurationError(f"{PREFIX}{name} must be {kind}, got {shown}") from None
+        raise ConfigurationError(f"{PREFIX}{name} must be {f.type}, got {shown}") from None

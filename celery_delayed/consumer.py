@@ -13,7 +13,6 @@ settled prefix of each partition is committed (see :mod:`.offsets`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import traceback
@@ -35,6 +34,7 @@ from .offsets import OffsetTracker
 from .once import Admit, Copy, RunClaims, admit, attempt_of
 from .settings import Settings
 from .store import DelayedStore
+from .wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -375,49 +375,6 @@ class KafkaFeed:
                     self._ready.appendleft(arrival)
                 self.c.hub.call_later(1.0, self._drain)
                 return
-
-class Wakeup:
-    """Runs ``callback`` on the worker's event loop as soon as another thread calls :meth:`wake`.
-
-    A pipe the loop watches (``hub.add_reader``): kombu 5.6's ``call_soon``
-    from another thread does not wake the loop, which then sleeps up to its
-    1 s poll timeout; this is prompt on every kombu.
-    """
-
-    def __init__(self, hub: Any, callback: Any) -> None:
-        self.hub, self.callback = hub, callback
-        self._read, self._write = os.pipe()
-        for fd in (self._read, self._write):
-            os.set_blocking(fd, False)
-        hub.add_reader(self._read, self._on_readable)
-
-    def wake(self) -> None:
-        try:
-            os.write(self._write, b"\0")
-        except BlockingIOError:  # the pipe is full: the loop has wake-ups pending anyway
-            pass
-        except OSError:  # closed by stop(): records left are read again after a restart
-            pass
-
-    def _on_readable(self) -> None:
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        self.callback()
-
-    def unwatch(self) -> None:
-        """Stop watching the pipe (on the loop thread): later wake-ups do nothing."""
-        try:
-            self.hub.remove_reader(self._read)
-        except Exception:  # the hub was reset meanwhile (a consumer restart): nothing to remove
-            pass
-
-    def close(self) -> None:
-        """Close the pipe, once no thread can wake it any more."""
-        for fd in (self._read, self._write):
-            os.close(fd)
 
 
 def _names(partitions: list[TopicPartition]) -> list[str]:

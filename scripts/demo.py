@@ -108,7 +108,7 @@ def main() -> int:
         if _plot(lags, plot):
             console.print(f"lag distribution: {plot}")
         store.redis.delete(runs_key, f"demo:{run}:lag")
-        return 1 if lost else 0
+        return 1 if lost or duplicates else 0
     finally:
         stop(procs)
 

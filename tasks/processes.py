@@ -31,17 +31,18 @@ def environment(overrides: dict[str, Any]) -> dict[str, str]:
 class Processes:
     """The demo project's processes one test or benchmark starts; all are stopped (by PID) by :meth:`stop_all`."""
 
-    def __init__(self, logdir: Path, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, logdir: Path, overrides: dict[str, Any] | None = None, app: str = "tasks") -> None:
         self.logdir = logdir
         self.overrides = overrides or {}
+        self.app = app  # the Celery app's module (``celery -A``)
         self.procs: list[tuple[subprocess.Popen, Path]] = []  # kept after stop_all: the logs stay readable
         self._stopped: set[int] = set()
 
     def start(self, name: str, *args: str, env: dict | None = None,
               overrides: dict[str, Any] | None = None) -> subprocess.Popen:
-        """``python -m celery -A tasks <args>``, its output in ``<logdir>/<name>-<n>.log``."""
+        """``python -m celery -A <app> <args>``, its output in ``<logdir>/<name>-<n>.log``."""
         log = self.logdir / f"{name}-{len(self.procs)}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", self.app, *args], cwd=ROOT,
                                 env={**environment(self.overrides if overrides is None else overrides),
                                      **(env or {})},
                                 stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,397 @@
+"""celery-delayed beside Celery's native ETA and celery-longterm-scheduler: the same tasks, the same run.
+
+For each system and each N: one worker (prefork, 2 processes) is started, N no-op
+tasks are scheduled with ETAs spread uniformly over ``--window`` seconds from
+``--lead`` seconds after the start, and each records its first start and how often
+it ran (``bench.compare_app``).  Halfway through the window the worker is restarted
+(SIGTERM, a new one), and a task sent without an ETA measures how long the new
+worker takes to be running again while the scheduled tasks wait.  Reported: time
+to schedule, Redis memory they take, the worker's peak RSS (all its processes),
+tasks started on time (within 1 s of due), lag p50/p99/max, lost, duplicated.
+
+Systems, each from the same demo servers and Celery settings (``task_acks_late``):
+
+- **native**: Celery's own ETA on the Redis broker (the worker holds every task in
+  memory until due), default ``visibility_timeout`` (1 h);
+- **native-vt**: the same with ``visibility_timeout`` shorter than the countdowns
+  (``--visibility``), the setting Redis/SQS users lower to recover lost tasks sooner;
+- **celery-delayed**: one poller, the worker consuming Kafka;
+- **longterm-scheduler**: celery-longterm-scheduler (PyPI, installed by this
+  benchmark), its ``celery longterm_scheduler`` run every ``--cron`` seconds as the
+  cron job its documentation asks for (cron's finest is 60 s);
+- systems that cannot run here are listed with the reason (celery-redis-plus,
+  Celery's ``worker_eta_task_limit``).
+
+    python -m bench.compare [--quick] [--tasks 100000 ...] [--window 600]
+
+Writes bench/results/compare-<time>.json, .md and .png (worker RSS over time, lag CDF); a full
+run also as bench/results/compare-latest.*, which the README shows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import celery
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bench.common import RESULTS, exclusive, new_overrides, percentile, versions
+from bench.compare_app import RECORDS, create_app
+from bench.dispatch import git_state
+from celery_delayed.sandbox import remove_everything
+from celery_delayed.settings import Settings
+from tasks.processes import ROOT, Processes, environment, wait_for
+
+console = Console(width=None if Console().is_terminal else 160)
+#: Where the PyPI packages compared are installed (apart from the project's .venv).
+PACKAGES = ROOT / ".services" / "compare-packages"
+#: celery-longterm-scheduler's store: "a dedicated redis database", as its documentation asks.
+LONGTERM_DB = f"redis://127.0.0.1:{os.environ.get('CD_REDIS_PORT', '6379')}/4"
+ON_TIME_MS = 1000
+
+
+@dataclass
+class System:
+    name: str
+    how: str  # how it is configured, for the table
+    app: str  # bench.compare_app's COMPARE_SYSTEM
+    overrides: dict[str, Any] = field(default_factory=dict)
+    packages: tuple[str, ...] = ()  # from PyPI, installed into PACKAGES
+    why_not: str | None = None  # set when it cannot run here
+
+
+def systems(opts: argparse.Namespace) -> list[System]:
+    found = [
+        System("native", "Celery ETA on the Redis broker, visibility_timeout 3600 s (default)", "native"),
+        System("native-vt", f"Celery ETA, visibility_timeout {opts.visibility} s (< the countdowns)", "native",
+               {"broker_transport_options": {"visibility_timeout": opts.visibility}}),
+        System("celery-delayed", "one poller, 8 partitions; the worker reads Kafka", "celery-delayed"),
+        System("longterm-scheduler", f"celery-longterm-scheduler 1.3.1; its scheduler run every {opts.cron} s "
+               "(a cron job; cron's finest is 60 s)", "longterm-scheduler",
+               {"longterm_scheduler_backend": LONGTERM_DB}, ("celery-longterm-scheduler==1.3.1", "pendulum")),
+        System("celery-redis-plus", "delayed delivery in the Redis transport", "", packages=("celery-redis-plus",)),
+    ]
+    from celery.app.defaults import DEFAULTS
+    if "worker_eta_task_limit" not in DEFAULTS:
+        found.append(System("native-eta-limit", "Celery ETA with worker_eta_task_limit", "native",
+                            why_not=f"Celery {celery.__version__} has no worker_eta_task_limit setting"))
+    return found
+
+
+def install(system: System) -> None:
+    """Install a system's PyPI packages into :data:`PACKAGES` (the project's dependencies are shared),
+    or say in ``why_not`` why they cannot be installed."""
+    if not system.packages or system.why_not:
+        return
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PACKAGES),
+                           *system.packages], capture_output=True, text=True)
+    if done.returncode:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        reason = next((line for line in lines if "Requires-Python" in line), lines[-1] if lines else "?")
+        system.why_not = f"cannot be installed here: {reason.removeprefix('ERROR: ')[:200]}"
+    elif not system.app:
+        system.why_not = "installed, but this benchmark does not configure it yet"
+
+
+def session_rss(pid: int) -> int:
+    """Bytes resident in every process of the session ``pid`` leads (a worker and its pool)."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+            if int(fields[3]) == pid:  # the session id
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss, in pages
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+class RssSampler(threading.Thread):
+    """The current worker's session RSS every half second, as ``(seconds since start, MB)``."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.pid: int | None = None
+        self.samples: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._start = time.monotonic()
+
+    def run(self) -> None:
+        while not self._done.wait(0.5):
+            if self.pid is not None:
+                self.samples.append((time.monotonic() - self._start, session_rss(self.pid) / 2**20))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """One system with N tasks: schedule, restart the worker halfway, wait for every task; the figures."""
+    overrides = {**new_overrides(partitions=8), **system.overrides}
+    env = {"COMPARE_SYSTEM": system.app, "PYTHONPATH": os.pathsep.join([str(ROOT), str(PACKAGES)])}
+    if system.packages:
+        sys.path.insert(0, str(PACKAGES))
+    app = create_app(system.app, **overrides)
+    noop = app.tasks["compare.noop"]
+    records = redis.Redis.from_url(RECORDS)
+    run = uuid.uuid4().hex[:8]
+    procs = Processes(logdir, overrides, app="bench.compare_app")
+    sampler = RssSampler()
+    scheduler = _Cron(system, opts.cron, environment(overrides) | env, logdir) if system.app == "longterm-scheduler" \
+        else None
+    try:
+        if system.app == "celery-delayed":
+            procs.start("poller", "delayed", "poller", "-l", "INFO", env=env)
+        worker = _worker(procs, env)
+        sampler.pid = worker.pid
+        sampler.start()
+        memory = records.info("memory")["used_memory"]
+        first_due = time.time() + opts.lead
+        dues = sorted(int((first_due + random.random() * opts.window) * 1000) for _ in range(n))
+        job = progress.add_task(f"{system.name}: schedule {n}", total=n)
+        began = time.perf_counter()
+        for i, due_ms in enumerate(dues):
+            noop.apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+            if i % 500 == 0:
+                progress.update(job, completed=i)
+        schedule_s = time.perf_counter() - began
+        progress.update(job, completed=n)
+        memory_mb = (records.info("memory")["used_memory"] - memory) / 2**20
+        if scheduler:
+            scheduler.start()
+        restart_at = first_due + opts.window / 2
+        _wait_runs(records, run, n, restart_at, progress, f"{system.name}: run, until the restart")
+        restart_s = _restart(procs, env, noop, records, sampler, opts.restart_timeout)
+        deadline = first_due + opts.window + opts.grace + (opts.cron if scheduler else 0)
+        _wait_runs(records, run, n, deadline, progress, f"{system.name}: run")
+        time.sleep(2)  # a duplicate may still land
+        runs = {k: int(v) for k, v in records.hgetall(f"compare:{run}:runs").items()}
+        lags = [int(v) for v in records.hvals(f"compare:{run}:lag")]
+        return {"system": system.name, "tasks": n, "schedule_s": round(schedule_s, 1),
+                "schedule_per_s": round(n / schedule_s), "redis_mb": round(memory_mb, 1),
+                "worker_peak_rss_mb": round(max((mb for _, mb in sampler.samples), default=math.nan), 1),
+                "on_time": sum(lag <= ON_TIME_MS for lag in lags), "ran": len(runs),
+                "lag_ms": {"p50": percentile(lags, .5), "p99": percentile(lags, .99), "max": max(lags, default=None)},
+                "lost": n - len(runs), "duplicated": sum(count > 1 for count in runs.values()),
+                "restart_s": restart_s, "rss": sampler.samples, "lags": sorted(lags)}
+    finally:
+        if scheduler:
+            scheduler.stop()
+        sampler.stop()
+        procs.stop_all()
+        _clean(system, overrides, records, run)
+
+
+def _worker(procs: Processes, env: dict[str, str]) -> subprocess.Popen:
+    worker = procs.worker("compare", "-c", "2", env=env)
+    wait_for(lambda: "ready." in procs.log(worker), 60, "the worker to start")
+    return worker
+
+
+def _wait_runs(records: redis.Redis, run: str, n: int, until: float, progress: Progress, label: str) -> None:
+    job = progress.add_task(label, total=n)
+    while time.time() < until:
+        done = records.hlen(f"compare:{run}:runs")
+        progress.update(job, completed=done)
+        if done >= n:
+            break
+        time.sleep(0.5)
+    progress.remove_task(job)
+
+
+def _restart(procs: Processes, env: dict[str, str], noop: Any, records: redis.Redis, sampler: RssSampler,
+             timeout: float) -> float | None:
+    """Warm-shut the worker down, start a new one, and time a task sent without an ETA: seconds from
+    the new worker's start until that task started (None: not within ``timeout``)."""
+    old = procs.procs[-1][0]
+    os.killpg(old.pid, signal.SIGTERM)
+    try:
+        old.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(old.pid, signal.SIGKILL)
+        old.wait()
+    started = time.time()
+    worker = procs.worker("compare", "-c", "2", env=env)
+    sampler.pid = worker.pid
+    probe = uuid.uuid4().hex[:8]
+    noop.apply_async((probe, int(started * 1000)))  # its "lag": from the new worker's start to its own
+    try:
+        wait_for(lambda: records.hlen(f"compare:{probe}:runs"), timeout, "the probe task")
+    except AssertionError:
+        return None
+    (lag_ms,) = records.hvals(f"compare:{probe}:lag")
+    records.delete(f"compare:{probe}:runs", f"compare:{probe}:lag")
+    return round(int(lag_ms) / 1000, 2)
+
+
+class _Cron(threading.Thread):
+    """``celery longterm_scheduler`` every ``every`` seconds, as a cron job runs it."""
+
+    def __init__(self, system: System, every: float, env: dict[str, str], logdir: Path) -> None:
+        super().__init__(daemon=True)
+        self.every, self.env, self.log = every, env, logdir / "longterm-scheduler.log"
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.every):
+            with self.log.open("ab") as log:
+                subprocess.run([sys.executable, "-m", "celery", "-A", "bench.compare_app", "longterm_scheduler"],
+                               cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def _clean(system: System, overrides: dict[str, Any], records: redis.Redis, run: str) -> None:
+    """Remove what one case left: its records, its broker queue, and its system's store."""
+    records.delete(f"compare:{run}:runs", f"compare:{run}:lag")
+    broker = redis.Redis.from_url(create_app("native").conf.broker_url)
+    broker.delete(overrides["task_default_queue"])
+    if system.app == "celery-delayed":
+        settings = Settings.from_conf(overrides)
+        remove_everything(settings, [settings.topic(overrides["task_default_queue"])])
+    if system.app == "longterm-scheduler":
+        redis.Redis.from_url(LONGTERM_DB).flushdb()  # its own database, as its documentation asks
+
+
+# -- report --------------------------------------------------------------------
+def report(results: list[dict[str, Any]], skipped: list[System], opts: argparse.Namespace) -> str:
+    """The results as a Markdown table (also printed), ratios against native at the same N."""
+    native = {r["tasks"]: r for r in results if r["system"] == "native"}
+    head = ["system", "N", "schedule s (tasks/s)", "Redis MB", "worker peak RSS MB (/ native)",
+            "on time <= 1 s", "lag p50 / p99 / max ms", "lost", "duplicated", "restart -> running s"]
+    rows = []
+    for r in results:
+        base = native.get(r["tasks"])
+        ratio = f" ({r['worker_peak_rss_mb'] / base['worker_peak_rss_mb']:.2f}x)" if base and base is not r else ""
+        lag = r["lag_ms"]
+        rows.append([r["system"], f"{r['tasks']:,}", f"{r['schedule_s']} ({r['schedule_per_s']:,})",
+                     f"{r['redis_mb']}", f"{r['worker_peak_rss_mb']}{ratio}",
+                     f"{r['on_time']:,} ({r['on_time'] / r['tasks']:.1%})",
+                     f"{_ms(lag['p50'])} / {_ms(lag['p99'])} / {_ms(lag['max'])}", f"{r['lost']:,}",
+                     f"{r['duplicated']:,}", "—" if r["restart_s"] is None else f"{r['restart_s']}"])
+    table = Table(*head, title=f"bench.compare: ETAs over {opts.window:.0f} s from {opts.lead:.0f} s, "
+                  "worker prefork -c 2, restarted halfway")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(row) + " |"
+                                                                          for row in rows]
+    for system in skipped:
+        lines.append(f"| {system.name} | not run: {system.why_not} |" + " |" * (len(head) - 2))
+        console.print(f"[yellow]{system.name}[/]: not run: {system.why_not}")
+    return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.0f}"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    """Worker RSS over time and the lag CDF of each system (one row per N)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["tasks"] for r in results})
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(14, 4.5 * len(sizes)), squeeze=False)
+    for (rss, cdf), n in zip(axes, sizes):
+        for r in (r for r in results if r["tasks"] == n):
+            rss.plot([t for t, _ in r["rss"]], [mb for _, mb in r["rss"]], label=r["system"])
+            lags = [max(lag, 1) for lag in r["lags"]]
+            cdf.plot(lags, [(i + 1) / n for i in range(len(lags))], label=r["system"])
+        rss.set(title=f"worker RSS (all processes), N = {n:,}", xlabel="seconds", ylabel="MB")
+        cdf.set(title=f"due -> started, N = {n:,} (fraction of all N tasks)", xlabel="lag (ms, log)",
+                ylabel="fraction started", xscale="log", ylim=(0, 1.01))
+        for ax in (rss, cdf):
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1,500 tasks over 15 s (CI: the code cannot rot)")
+    parser.add_argument("--tasks", type=int, nargs="+", default=[100_000], help="N, one case per value")
+    parser.add_argument("--window", type=float, default=600.0, help="ETAs spread over this many seconds")
+    parser.add_argument("--lead", type=float, default=60.0, help="first ETA this many seconds after the start")
+    parser.add_argument("--grace", type=float, default=60.0, help="wait this long past the last ETA")
+    parser.add_argument("--visibility", type=int, default=60, help="native-vt's visibility_timeout (s)")
+    parser.add_argument("--cron", type=float, default=60.0, help="longterm-scheduler's scheduler interval (s)")
+    parser.add_argument("--only", nargs="+", help="run these systems only")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.tasks, opts.window, opts.lead, opts.grace, opts.visibility, opts.cron = [1500], 15.0, 8.0, 10.0, 5, 5.0
+    opts.restart_timeout = max(60.0, max(opts.tasks) / 200)
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    with exclusive("bench.compare"):
+        found = versions()
+        chosen = [s for s in systems(opts) if not opts.only or s.name in opts.only]
+        for system in chosen:
+            install(system)
+        found |= _package_versions()
+        console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()))
+        runnable = [s for s in chosen if not s.why_not]
+        results: list[dict[str, Any]] = []
+        with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp, \
+                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         console=console) as progress:
+            for n in opts.tasks:
+                for system in runnable:
+                    results.append(run_case(system, n, opts, progress, Path(tmp)))
+        table = report(results, [s for s in chosen if s.why_not], opts)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = RESULTS / f"compare-{stamp}{'-quick' if opts.quick else ''}"
+        base.with_suffix(".md").write_text(table)
+        base.with_suffix(".json").write_text(json.dumps(
+            {"versions": found, "git": git_state(), "options": {k: v for k, v in vars(opts).items()},
+             "systems": {s.name: s.how for s in chosen}, "not_run": {s.name: s.why_not for s in chosen if s.why_not},
+             "results": [{k: v for k, v in r.items() if k != "lags"} for r in results]}, indent=1))
+        plot(results, base.with_suffix(".png"))
+        if not opts.quick:  # the figures the README shows (committed)
+            for suffix in (".md", ".json", ".png"):
+                shutil.copyfile(base.with_suffix(suffix), RESULTS / f"compare-latest{suffix}")
+        console.print(f"results: {base}.md, .json, .png")
+        problems = [r for r in results if r["system"] == "celery-delayed" and (r["lost"] or r["duplicated"])]
+        return 1 if problems else 0
+
+
+def _package_versions() -> dict[str, str]:
+    """The versions of the compared packages installed into :data:`PACKAGES`."""
+    from importlib.metadata import distributions
+    return {dist.metadata["Name"]: dist.version for dist in distributions(path=[str(PACKAGES)])}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,35 +40,19 @@ logger = logging.getLogger(__name__)
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 
 
-#: Celery's requests of the tasks given to it from Kafka, by task id, while Celery holds them.
-_requests: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-
 #: Celery >= 5.7 cancels the ETA timer entries of the requests it drops when its consumer
 #: restarts, and forgets every one it dropped; before, a dropped request cannot be told.
 _DROPS_ARE_FORGOTTEN = hasattr(worker_state, "scheduled_requests")
 
 
 @signals.task_received.connect
-def _on_request(request: Any = None, **_: Any) -> None:
+def _restore_eta(request: Any = None, **_: Any) -> None:
     """A task from Kafka sees the ETA it was scheduled with (``self.request.eta``), though
     Celery's timer never held it: the strategy has read the message, so the ETA goes back into
-    the request's dict, which the pool builds the task's context from.  The request is kept
-    (weakly) so that a stopped feed can tell whether Celery dropped it (:meth:`Intake.let_go`)."""
+    the request's dict, which the pool builds the task's context from."""
     marks = request.request_dict.get(FROM_KAFKA) if request is not None else None
-    if isinstance(marks, dict):
-        _requests[request.id] = request
-        if marks.get("eta"):
-            request.request_dict["eta"] = marks["eta"]
-
-
-def dropped_by_celery(task_id: str) -> bool:
-    """Whether Celery dropped the request of ``task_id`` without giving it to its pool, so it can
-    never run: its consumer restarted (a broker reconnect) while the request waited for its ETA,
-    a pool slot or a rate limit, and forgot it.  A request already given to the pool may still
-    run (a job written to a child, a threads pool's queue), so it is never counted as dropped."""
-    request = _requests.get(task_id)
-    return (_DROPS_ARE_FORGOTTEN and request is not None and request._apply_result is None
-            and worker_state.requests.get(task_id) is not request)
+    if isinstance(marks, dict) and marks.get("eta"):
+        request.request_dict["eta"] = marks["eta"]
 
 
 class Intake:
@@ -92,6 +75,8 @@ class Intake:
         self.in_hand: set[str] = set()
         self.draining: set[str] = set()
         self._on_settled = on_settled
+        self._requests: dict[str, Any] = {}  # Celery's request of each task in hand, once it made one
+        signals.task_received.connect(self._on_received)  # weakly: gone with this intake
 
     def dispatch(self, arrival: Arrival) -> None:
         """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
@@ -112,9 +97,11 @@ class Intake:
             record_revoked(self.c.app, task_id, arrival.envelope, reason=verdict.admit.value)
             metrics.SKIPPED_REVOKED.inc()
             self._settle(partition, record.offset())
-        elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired
+        elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired,
+            # dispatched then (the poller sends it the dispatch lead early), not found still claimed again and again
             metrics.DEFERRED_DUPLICATES.inc()
-            self._put_back(task_id, record.value(), attempt_of(arrival.headers), verdict.wait_ms)
+            self._put_back(task_id, record.value(), attempt_of(arrival.headers),
+                           verdict.wait_ms + int(self.settings.dispatch_lead * 1000))
             self._settle(partition, record.offset())
         else:
             self.in_hand.add(task_id)
@@ -124,7 +111,7 @@ class Intake:
                 self._release(task_id)
                 self._dead_letter(record, partition, str(exc), exc.traceback)
             except BaseException:  # tried again holding its claim, which _drop_ready gives up if need be
-                self.in_hand.discard(task_id)
+                self._untrack(task_id)
                 raise
 
     def _run_claimed(self, arrival: Arrival) -> None:
@@ -173,14 +160,33 @@ class Intake:
         holding the others.  Those Celery dropped never run, so their claims are released and the
         copies the next consumer reads run at once; the others' claims are no longer extended:
         they lapse after the run lease unless the task settles first, and a copy read meanwhile
-        waits in the store, then runs once."""
+        waits in the store for it (unless the original is held up past the lease)."""
         self.draining = self.in_hand & running
         for task_id in self.in_hand - running:
-            self.in_hand.discard(task_id)
-            if dropped_by_celery(task_id):
+            if self._dropped_by_celery(task_id):
                 self.claims.release(task_id)
             else:
                 self.claims.forget(task_id)
+            self._untrack(task_id)
+
+    def _on_received(self, request: Any = None, **_: Any) -> None:
+        """Keep Celery's request of a task in hand (``task_received``, sent while the strategy
+        makes it): whether it reached the pool tells :meth:`let_go` if it may still run."""
+        if request is not None and request.id in self.in_hand:
+            self._requests[request.id] = request
+
+    def _dropped_by_celery(self, task_id: str) -> bool:
+        """Whether Celery dropped the request of ``task_id`` without giving it to its pool, so it can
+        never run: its consumer restarted (a broker reconnect) while the request waited for its ETA,
+        a pool slot or a rate limit, and forgot it.  A request already given to the pool may still
+        run (a job written to a child, a threads pool's queue), so it is never counted as dropped."""
+        request = self._requests.get(task_id)
+        return (_DROPS_ARE_FORGOTTEN and request is not None and request._apply_result is None
+                and worker_state.requests.get(task_id) is not request)
+
+    def _untrack(self, task_id: str) -> None:
+        self.in_hand.discard(task_id)
+        self._requests.pop(task_id, None)
 
     def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
         """Put a rejected task back in the store, then settle it; while the store is down, try
@@ -203,7 +209,7 @@ class Intake:
         self.store.schedule(task_id, self.store.now_ms() + delay_ms, data, attempt)
 
     def _release(self, task_id: str) -> None:
-        self.in_hand.discard(task_id)
+        self._untrack(task_id)
         self.draining.discard(task_id)
         self.claims.release(task_id)
 

@@ -28,8 +28,8 @@ from tasks.processes import ROOT, Processes, environment, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "Starver",
-           "TopicReader", "envelopes", "environment", "etcd3_leader", "etcd3_port", "etcd3_status", "kill9",
-           "leaders", "run_briefly", "wait_for"]
+           "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
+           "etcd3_status", "kill9", "leaders", "run_briefly", "wait_for"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
 
@@ -64,6 +64,32 @@ def etcd3_leader() -> int | None:
         if status.get("leader") and status["leader"] == status["header"]["member_id"]:
             return member
     return None
+
+
+def cut_redis_connections(client, pid: int) -> int:
+    """Close the Redis connections process ``pid`` holds (``CLIENT KILL`` of each by its address),
+    and no other client's: a worker's broker connection drops, other tests on the server go on.
+    Returns how many were closed."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rpartition(":")[2], 16))
+    closed = 0
+    for client_info in client.client_list():
+        if int(client_info["addr"].rpartition(":")[2]) in ports:
+            closed += bool(client.client_kill(client_info["addr"]))
+    return closed
 
 
 def kill9(name: str) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope
 from tasks import create_app
 
-from .support import wait_for
+from .support import cut_redis_connections, wait_for
 
 
 def due_in(app, name: str, args: tuple, seconds: float = 1.5, **options):
@@ -306,13 +307,14 @@ def test_the_partitions_of_a_killed_worker_move_to_the_others_within_the_session
     print(f"\nkill -9 of a worker: its partitions served again {time.monotonic() - killed:.1f} s later")
 
 
+@pytest.mark.parametrize("lead", [0.5, 0.0], ids=["held-by-celerys-eta-timer", "due-when-handed"])
 def test_tasks_celery_dropped_on_a_consumer_restart_run_again_without_waiting_out_their_run_claims(
-        overrides, processes):
+        overrides, processes, lead):
     """A broker reconnect restarts the worker's consumer, which loses no Kafka-fed task: Celery drops
-    the requests it held but had not given to its pool (here: waiting for the one pool slot); they
-    never run, so their run claims are given up and the copies read again run at once, not a run
-    lease (60 s here) later.  Each task runs once."""
-    overrides.update(delayed_run_lease=60)
+    the requests it held but had not given to its pool (waiting for their ETA, the dispatch lead, or
+    for the one pool slot); they never run, so their run claims are given up and the copies read
+    again run at once, not a run lease (60 s here) later.  Each task runs once."""
+    overrides.update(delayed_run_lease=60, delayed_dispatch_lead=lead)
     app = create_app(**overrides)
     run = uuid.uuid4().hex
     results = [due_in(app, "tasks.demo.work", (run, 0.5), seconds=2.0) for _ in range(12)]
@@ -320,7 +322,7 @@ def test_tasks_celery_dropped_on_a_consumer_restart_run_again_without_waiting_ou
     worker = processes.worker("w1", "-c", "1")
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     wait_for(lambda: r.hlen(f"demo:{run}:runs") >= 2, 90, "tasks to start")
-    r.client_kill_filter(_type="normal", skipme=True)  # Celery restarts its consumer
+    assert cut_redis_connections(r, worker.pid)  # Celery restarts its consumer
     cut = time.monotonic()
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == len(results), 40,
              "every task to run well within the 60 s run lease after the consumer restart")
@@ -328,3 +330,23 @@ def test_tasks_celery_dropped_on_a_consumer_restart_run_again_without_waiting_ou
     assert {x.get(timeout=30) for x in results} == {x.id for x in results}
     assert set(r.hvals(f"demo:{run}:runs")) == {b"1"}
     assert "Connection to broker lost" in processes.log(worker)
+
+def test_a_copy_waiting_for_a_run_claim_is_not_dispatched_again_and_again(overrides, processes):
+    """A copy of a task id whose run claim another worker holds goes back to the store until that
+    claim would expire, plus the dispatch lead: the poller dispatches that lead early, and a copy
+    due at the expiry itself would find the claim still held and come back at once, over and over
+    (a claim that is not extended: its worker forgot it in a consumer restart, or died)."""
+    app = create_app(**overrides)
+    run, task_id = uuid.uuid4().hex, str(uuid.uuid4())
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    r.set(store_of(app).keys.run(task_id), "another-worker", px=4000)
+    poller = processes.poller()
+    processes.worker("w1", "-c", "2")
+    result = due_in(app, "tasks.demo.work", (run,), seconds=1.5, task_id=task_id)
+    assert result.get(timeout=60) == task_id
+    time.sleep(1)
+    processes.stop_all()  # the poller logs its counts as it stops
+    dispatched = int(re.search(r"'dispatched': (\d+)", processes.log(poller)).group(1))
+    print(f"\nthe task was dispatched {dispatched} times")
+    assert r.hget(f"demo:{run}:runs", task_id) == b"1"
+    assert dispatched <= 3, f"dispatched {dispatched} times while it waited for the claim"

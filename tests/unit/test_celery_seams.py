@@ -29,13 +29,17 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
 
 
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():
-    """intake.dropped_by_celery reads ``Request._apply_result`` (private: set once the request is
-    given to the pool), and relies on Celery >= 5.7's ``Consumer.on_close`` cancelling the ETA
-    timer entries of the requests it drops and removing every dropped one from ``requests``."""
+    """Intake._dropped_by_celery reads ``Request._apply_result`` (private: set once the request is
+    given to the pool, by the request class and by the one ``create_request_cls`` makes for each
+    task), and relies on Celery >= 5.7's ``Consumer.on_close`` cancelling the ETA timer entries
+    of the requests it drops and removing every dropped one from ``requests``."""
+    from celery.worker.request import create_request_cls
+
     from celery_delayed.intake import _DROPS_ARE_FORGOTTEN
 
     assert Request._apply_result is None
     assert "self._apply_result = " in inspect.getsource(Request.execute_using_pool)
+    assert "self._apply_result = " in inspect.getsource(create_request_cls)
     assert _DROPS_ARE_FORGOTTEN  # the tested Celery (constraints.txt) has it
     on_close = inspect.getsource(Consumer.on_close)
     assert "self.timer.cancel(entry)" in on_close and "requests.pop(r.id, None)" in on_close

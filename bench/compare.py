@@ -81,9 +81,9 @@ class System:
 def systems(opts: argparse.Namespace) -> list[System]:
     found = [
         System("native", "Celery ETA on the Redis broker, visibility_timeout 3600 s (default)", "native"),
+        System("celery-delayed", "one poller, 8 partitions; the worker reads Kafka", "celery-delayed"),
         System("native-vt", f"Celery ETA, visibility_timeout {opts.visibility} s (< the countdowns)", "native",
                {"broker_transport_options": {"visibility_timeout": opts.visibility}}),
-        System("celery-delayed", "one poller, 8 partitions; the worker reads Kafka", "celery-delayed"),
         System("longterm-scheduler", f"celery-longterm-scheduler 1.3.1; its scheduler run every {opts.cron} s "
                "(a cron job; cron's finest is 60 s)", "longterm-scheduler",
                {"longterm_scheduler_backend": LONGTERM_DB}, ("celery-longterm-scheduler==1.3.1", "pendulum")),
@@ -144,7 +144,8 @@ class RssSampler(threading.Thread):
 
     def stop(self) -> None:
         self._done.set()
-        self.join()
+        if self.is_alive():
+            self.join()
 
 
 def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progress, logdir: Path) -> dict[str, Any]:
@@ -197,10 +198,10 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
                 "lost": n - len(runs), "duplicated": sum(count > 1 for count in runs.values()),
                 "restart_s": restart_s, "rss": sampler.samples, "lags": sorted(lags)}
     finally:
+        procs.stop_all()  # first: whatever else fails here, no process is left running
         if scheduler:
             scheduler.stop()
         sampler.stop()
-        procs.stop_all()
         _clean(system, overrides, records, run)
 
 
@@ -262,7 +263,8 @@ class _Cron(threading.Thread):
 
     def stop(self) -> None:
         self._done.set()
-        self.join()
+        if self.is_alive():
+            self.join()
 
 
 def _clean(system: System, overrides: dict[str, Any], records: redis.Redis, run: str) -> None:
@@ -364,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()))
         runnable = [s for s in chosen if not s.why_not]
         results: list[dict[str, Any]] = []
+        partial = RESULTS / f"compare-partial-{os.getpid()}.json"
         with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp, \
                 Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                          console=console) as progress:
             for n in opts.tasks:
                 for system in runnable:
                     results.append(run_case(system, n, opts, progress, Path(tmp)))
+                    partial.write_text(json.dumps(results))  # a later case that fails keeps these
+        partial.unlink()
         table = report(results, [s for s in chosen if s.why_not], opts)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         base = RESULTS / f"compare-{stamp}{'-quick' if opts.quick else ''}"

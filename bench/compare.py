@@ -19,8 +19,9 @@ Systems, each from the same demo servers and Celery settings (``task_acks_late``
 - **longterm-scheduler**: celery-longterm-scheduler (PyPI, installed by this
   benchmark), its ``celery longterm_scheduler`` run every ``--cron`` seconds as the
   cron job its documentation asks for (cron's finest is 60 s);
-- systems that cannot run here are listed with the reason (celery-redis-plus,
-  Celery's ``worker_eta_task_limit``).
+- **native-eta-limit**: Celery's ETA with ``worker_eta_task_limit`` (Celery >= 5.6: the
+  worker holds at most that many ETA tasks, the others wait on the broker);
+- systems that cannot run here are listed with the reason (celery-redis-plus).
 
     python -m bench.compare [--quick] [--tasks 100000 ...] [--window 600]
 
@@ -33,7 +34,9 @@ import argparse
 import json
 import math
 import os
+import platform
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -90,9 +93,11 @@ def systems(opts: argparse.Namespace) -> list[System]:
         System("celery-redis-plus", "delayed delivery in the Redis transport", "", packages=("celery-redis-plus",)),
     ]
     from celery.app.defaults import DEFAULTS
+    limit = System("native-eta-limit", f"Celery ETA, worker_eta_task_limit {opts.eta_limit} (Celery >= 5.6)",
+                   "native", {"worker_eta_task_limit": opts.eta_limit})
     if "worker_eta_task_limit" not in DEFAULTS:
-        found.append(System("native-eta-limit", "Celery ETA with worker_eta_task_limit", "native",
-                            why_not=f"Celery {celery.__version__} has no worker_eta_task_limit setting"))
+        limit.why_not = f"Celery {celery.__version__} has no worker_eta_task_limit setting"
+    found.insert(3, limit)
     return found
 
 
@@ -105,8 +110,9 @@ def install(system: System) -> None:
                            *system.packages], capture_output=True, text=True)
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        reason = next((line for line in lines if "Requires-Python" in line), lines[-1] if lines else "?")
-        system.why_not = f"cannot be installed here: {reason.removeprefix('ERROR: ')[:200]}"
+        needs = re.search(r"Requires-Python (\S+)", done.stderr)
+        system.why_not = (f"needs Python {needs.group(1)} (this run: {platform.python_version()})" if needs
+                          else f"cannot be installed here: {lines[-1] if lines else '?'}")
     elif not system.app:
         system.why_not = "installed, but this benchmark does not configure it yet"
 
@@ -340,17 +346,18 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1,500 tasks over 15 s (CI: the code cannot rot)")
+    parser.add_argument("--quick", action="store_true", help="1,500 tasks over 12 s (CI: the code cannot rot)")
     parser.add_argument("--tasks", type=int, nargs="+", default=[100_000], help="N, one case per value")
     parser.add_argument("--window", type=float, default=600.0, help="ETAs spread over this many seconds")
     parser.add_argument("--lead", type=float, default=60.0, help="first ETA this many seconds after the start")
     parser.add_argument("--grace", type=float, default=60.0, help="wait this long past the last ETA")
     parser.add_argument("--visibility", type=int, default=60, help="native-vt's visibility_timeout (s)")
     parser.add_argument("--cron", type=float, default=60.0, help="longterm-scheduler's scheduler interval (s)")
+    parser.add_argument("--eta-limit", type=int, default=1000, help="native-eta-limit's worker_eta_task_limit")
     parser.add_argument("--only", nargs="+", help="run these systems only")
     opts = parser.parse_args(argv)
     if opts.quick:
-        opts.tasks, opts.window, opts.lead, opts.grace, opts.visibility, opts.cron = [1500], 15.0, 8.0, 10.0, 5, 5.0
+        opts.tasks, opts.window, opts.lead, opts.grace, opts.visibility, opts.cron = [1500], 12.0, 8.0, 8.0, 5, 5.0
     opts.restart_timeout = max(60.0, max(opts.tasks) / 200)
     return opts
 
@@ -385,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
              "results": [{k: v for k, v in r.items() if k != "lags"} for r in results]}, indent=1))
         plot(results, base.with_suffix(".png"))
         if not opts.quick:  # the figures the README shows (committed)
+            latest = "compare-latest" + "".join(f"-{name}" for name in opts.only or ())
             for suffix in (".md", ".json", ".png"):
-                shutil.copyfile(base.with_suffix(suffix), RESULTS / f"compare-latest{suffix}")
+                shutil.copyfile(base.with_suffix(suffix), RESULTS / f"{latest}{suffix}")
         console.print(f"results: {base}.md, .json, .png")
         problems = [r for r in results if r["system"] == "celery-delayed" and (r["lost"] or r["duplicated"])]
         return 1 if problems else 0

@@ -3,8 +3,8 @@
 Any setting can be overridden from the environment: ``DELAYED_FOO=bar`` sets
 ``delayed_foo`` and ``CELERY_FOO=bar`` sets ``foo`` (e.g. ``CELERY_BROKER_URL``),
 which is how docker/ and the tests configure the same project; a value starting
-with ``[`` or ``{`` is read as a Python literal (a list or dict setting), and
-``True`` / ``False`` as booleans.
+with ``[`` or ``{`` is read as a Python literal (a list or dict setting),
+``True`` / ``False`` as booleans, and digits as an int.
 """
 import ast
 import os
@@ -32,9 +32,11 @@ delayed_partitions = 8
 
 def _setting(value: str):
     """An environment value as a setting: a list or dict when written as a Python literal
-    (e.g. ``CELERY_ACCEPT_CONTENT="['json', 'pickle']"``), a bool for ``True`` or ``False``,
-    else the string itself."""
-    return ast.literal_eval(value) if value[:1] in ("[", "{") or value in ("True", "False") else value
+    (e.g. ``CELERY_ACCEPT_CONTENT="['json', 'pickle']"``), a bool for ``True`` or ``False``, an
+    int for digits (``CELERY_WORKER_ETA_TASK_LIMIT=1000``: Celery does not convert it), else the
+    string itself."""
+    literal = value[:1] in ("[", "{") or value in ("True", "False") or value.isdigit()
+    return ast.literal_eval(value) if literal else value
 
 
 for _name, _value in os.environ.items():

@@ -110,7 +110,7 @@ def install(system: System) -> None:
                            *system.packages], capture_output=True, text=True)
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        needs = re.search(r"Requires-Python (\S+)", done.stderr)
+        needs = re.search(r"Requires-Python ([^;\s]+)", done.stderr)
         system.why_not = (f"needs Python {needs.group(1)} (this run: {platform.python_version()})" if needs
                           else f"cannot be installed here: {lines[-1] if lines else '?'}")
     elif not system.app:

@@ -276,7 +276,15 @@ def test_rebalance_to_a_second_worker_loses_nothing(overrides, processes):
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     wait_for(lambda: r.hlen(f"demo:{run}:runs") >= 30, 60, "the first worker to get going")
     processes.worker("w2", "-c", "2")  # joins the group: partitions move while tasks are in hand
-    assert {x.get(timeout=120) for x in results} == {x.id for x in results}
+    store = store_of(app)
+
+    def unfinished() -> str:  # on a timeout: where each task without a result stands
+        return "; ".join(f"{x.id}: runs {r.hget(f'demo:{run}:runs', x.id)}, state {x.state}, "
+                         f"claim {r.get(store.keys.run(x.id))} (pttl {r.pttl(store.keys.run(x.id))} ms), "
+                         f"in the store {store.get(x.id)}" for x in results if not x.ready())
+
+    wait_for(lambda: all(x.ready() for x in results), 120, lambda: f"every task to end: {unfinished()}", 0.5)
+    assert {x.get(timeout=10) for x in results} == {x.id for x in results}
     workers = {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in results}
     print(f"\nrebalance: 300 tasks, {sum(int(v) for v in r.hvals(f'demo:{run}:runs'))} executions, "
           f"ran on {sorted(workers)}")

@@ -82,17 +82,31 @@ class Inspection:
         start_ms, skips = _parse_cursor(after, self.settings.partitions)
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):  # one more than a page: is there a next one?
-            self.scripts["upcoming"](keys=[self.keys.buckets(p)],
-                                     args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
-                                           "" if start_ms is None else start_ms, skips.get(p, 0), limit + 1],
-                                     client=pipe)
+            self._read_entries(pipe, p, start_ms, skips.get(p, 0), limit + 1)
         heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
                  for p, rows in enumerate(self.execute(pipe))]
         page = list(itertools.islice(heapq.merge(*heads), limit + 1))
         cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
-        return Page(self._describe(page[:limit]), cursor)
+        return Page(self.describe(page[:limit]), cursor)
 
-    def _describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
+    def entries(self, partition: int, limit: int, start_ms: int | None = None, skip: int = 0
+                ) -> list[tuple[int, bytes, int]]:
+        """One partition's next ``limit`` tasks from ``start_ms`` on (skipping the first ``skip`` due
+        exactly then), in due order: ``(due ms, member, partition)``, for :meth:`describe`."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._read_entries(pipe, partition, start_ms, skip, limit)
+        rows = self.execute(pipe)[0]
+        return [(int(rows[i + 1]), rows[i], partition) for i in range(0, len(rows), 2)]
+
+    def _read_entries(self, pipe: Any, p: int, start_ms: int | None, skip: int, limit: int) -> None:
+        self.scripts["upcoming"](keys=[self.keys.buckets(p)],
+                                 args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
+                                       "" if start_ms is None else start_ms, skip, limit], client=pipe)
+
+    def describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
+        """What an operator sees of each entry still stored: ``task_id``, ``due_ms``, ``eta``,
+        ``partition``, ``task``, ``queue``, and Celery's ``argsrepr``, ``kwargsrepr`` and ``retries``
+        headers (one pipelined read; a task dispatched meanwhile is left out)."""
         pipe = self.redis.pipeline(transaction=False)
         for _, member, p in entries:
             pipe.hget(self.keys.msgs(p), member)
@@ -100,9 +114,26 @@ class Inspection:
         for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
             if stored is not None:
                 envelope = Envelope.decode(_envelope_of(stored))
+                headers = envelope.headers
                 items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
-                              "task": envelope.task_name, "queue": envelope.queue})
+                              "task": envelope.task_name, "queue": envelope.queue,
+                              "argsrepr": headers.get("argsrepr"), "kwargsrepr": headers.get("kwargsrepr"),
+                              "retries": headers.get("retries") or 0})
         return items
+
+    def histogram(self, from_ms: int, to_ms: int, bin_ms: int) -> list[int]:
+        """Tasks due in each ``bin_ms`` wide bin of ``[from_ms, to_ms)``, all partitions summed, counted
+        from the bucket index (no task is read).  ``from_ms`` and ``bin_ms`` must be whole buckets."""
+        width = BUCKET_SECONDS * 1000
+        if from_ms % width or bin_ms % width or bin_ms <= 0 or to_ms <= from_ms:
+            raise ValueError(f"histogram bins must be whole {BUCKET_SECONDS} s buckets from a bucket's start "
+                             f"(from {from_ms} ms, bins of {bin_ms} ms)")
+        to_ms = from_ms + -(-(to_ms - from_ms) // bin_ms) * bin_ms
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            self.scripts["histogram"](keys=[self.keys.buckets(p)],
+                                      args=[self.keys.bucket_prefix(p), from_ms, to_ms, bin_ms], client=pipe)
+        return [sum(column) for column in zip(*self.execute(pipe))]
 
     def counts(self) -> list[dict]:
         """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),

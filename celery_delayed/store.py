@@ -214,11 +214,20 @@ class DelayedStore(Inspection):
         :class:`TaskInFlight` for a task a poller is already dispatching.
         """
         due_ms = _in_range(due_ms_of(due))
-        p = self.partition(task_id)
-        Change(self._call("reschedule", self.keys.core(p),
-                          [self.keys.wake, self.keys.bucket_prefix(p), BUCKET_SECONDS, member_of(task_id), due_ms])
-               ).check(task_id, "rescheduled")
+        self.reschedule_many([(task_id, due_ms)])[task_id].check(task_id, "rescheduled")
         return due_ms
+
+    def reschedule_many(self, moves: Iterable[tuple[str, int]]) -> dict[str, Change]:
+        """Move scheduled tasks, ``(task_id, new due ms)`` pairs, in one pipeline; per id DONE,
+        UNKNOWN or IN_FLIGHT (a poller is dispatching it: it runs when it was due)."""
+        moves = dict(moves)
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id, due_ms in moves.items():
+            p = self.partition(task_id)
+            self.scripts["reschedule"](keys=self.keys.core(p), client=pipe,
+                                       args=[self.keys.wake, self.keys.bucket_prefix(p), BUCKET_SECONDS,
+                                             member_of(task_id), _in_range(due_ms)])
+        return {task_id: Change(reply) for task_id, reply in zip(moves, self.execute(pipe))}
 
     def now_ms(self) -> int:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""

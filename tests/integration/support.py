@@ -120,11 +120,12 @@ def run_briefly(poller: Poller, timeout: float = 30.0) -> BaseException | None:
             pytest.fail(f"the poller was still running after {timeout} s: it did not refuse to start")
 
 
-def envelopes(n: int, queue: str, due_ms: int, prefix: str = "task") -> Iterator[tuple[str, int, bytes]]:
-    """``n`` stored messages of ``tasks.demo.add`` as Celery's JSON serializer builds them."""
+def envelopes(n: int, queue: str, due_ms: int, prefix: str = "task", task: str = "tasks.demo.add"
+              ) -> Iterator[tuple[str, int, bytes]]:
+    """``n`` stored messages of ``task`` as Celery's JSON serializer builds them."""
     for i in range(n):
         task_id = f"{prefix}-{i}"
-        headers = {"lang": "py", "task": "tasks.demo.add", "id": task_id, "root_id": task_id, "retries": 0,
+        headers = {"lang": "py", "task": task, "id": task_id, "root_id": task_id, "retries": 0,
                    "eta": "2000-01-01T00:00:00+00:00", "expires": None, "timelimit": [None, None],
                    "argsrepr": f"({i}, {i})", "kwargsrepr": "{}", "origin": "test"}
         body = json.dumps([[i, i], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])

@@ -1,0 +1,191 @@
+"""Finding scheduled tasks by what they are, and acting on all that match: the operators' search.
+
+A :class:`Filter` (task name, queue, due window, task id prefix) selects tasks.
+:func:`find` pages through them in due order for a view, reading at most a
+budget of entries per call, so a rare match never turns a page into a scan of
+millions.  :func:`count`, :func:`cancel` and :func:`reschedule` walk every match
+partition by partition in bounded batches, reporting progress, for the CLI's and
+the web view's bulk actions.  Reads and writes go through :class:`.DelayedStore`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from .inspection import Page, _next_cursor, _parse_cursor
+from .layout import task_id_of
+from .outcomes import Change
+from .revoke import cancel_scheduled
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .store import DelayedStore
+
+#: Entries one bulk batch reads from a partition.
+BATCH = 500
+#: Most entries :func:`find` examines for one page.
+FIND_BUDGET = 5_000
+
+Progress = Callable[[int, int], None]  # (entries examined so far, matches so far)
+
+
+@dataclass(frozen=True)
+class Filter:
+    """Which scheduled tasks an operator means: every field given must match (None: any)."""
+
+    task: str | None = None  # task name, exact
+    queue: str | None = None
+    due_after: int | None = None  # ms since the epoch, included
+    due_before: int | None = None  # ms since the epoch, excluded
+    id_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.due_after is not None and self.due_before is not None and self.due_before <= self.due_after:
+            raise ValueError(f"an empty due window: due_before ({self.due_before}) is not after due_after "
+                             f"({self.due_after})")
+
+    def matches(self, item: dict) -> bool:
+        """Whether a described entry (:meth:`.Inspection.describe`) is selected by the fields that need
+        its message; the due window is applied by the walk itself."""
+        return ((self.task is None or item["task"] == self.task)
+                and (self.queue is None or item["queue"] == self.queue)
+                and (self.id_prefix is None or item["task_id"].startswith(self.id_prefix)))
+
+    def is_empty(self) -> bool:
+        return not any(v not in (None, "") for v in asdict(self).values())
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, "")}
+
+
+@dataclass(frozen=True)
+class Found(Page):
+    """A page of :func:`find`: matches in due order, the cursor after the last entry examined, and
+    how many were examined (a page may hold fewer than asked when the budget ran out)."""
+
+    examined: int = 0
+
+
+def find(store: DelayedStore, flt: Filter, limit: int = 50, after: str | None = None,
+         budget: int = FIND_BUDGET) -> Found:
+    """The next ``limit`` tasks matching ``flt`` in due order, examining at most ``budget`` entries.
+
+    ``after``: the cursor of the previous page.  The cursor returned continues the
+    walk where it stopped (None: nothing is left in the due window).
+    """
+    cursor = after if after is not None or flt.due_after is None else f"{flt.due_after}:"
+    items: list[dict] = []
+    examined = 0
+    while len(items) < limit and examined < budget:
+        start_ms, skips = _parse_cursor(cursor, store.settings.partitions)
+        page = store.upcoming(min(budget - examined, max(limit - len(items), 100)), cursor)
+        for i, item in enumerate(page.items):
+            if flt.due_before is not None and item["due_ms"] >= flt.due_before:
+                return Found(items, None, examined + i)
+            if flt.matches(item):
+                items.append(item)
+                if len(items) == limit and i + 1 < len(page.items):  # stop here: the cursor after this one
+                    seen = [(x["due_ms"], b"", x["partition"]) for x in page.items[:i + 1]]
+                    return Found(items, _next_cursor(seen, start_ms, skips), examined + i + 1)
+        examined += len(page.items)
+        cursor = page.cursor
+        if cursor is None:
+            break
+    return Found(items, cursor, examined)
+
+
+def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,
+         act: Callable[[list[dict]], set[str]] | None = None) -> Iterator[list[dict]]:
+    """Every task matching ``flt``, partition by partition, in batches of up to :data:`BATCH` entries.
+
+    ``act`` (bulk actions) is given each batch's matches and returns the ids of those
+    that left their place (cancelled, moved, dispatched meanwhile): the walk goes on
+    after the entries that stayed, so nothing after a removed entry is skipped.
+    """
+    examined = matched = 0
+    for p in range(store.settings.partitions):
+        start_ms, skip = flt.due_after, 0  # read from start_ms on, past the first `skip` entries due then
+        while True:
+            read = store.entries(p, BATCH, start_ms, skip)
+            entries = [e for e in read if flt.due_before is None or e[0] < flt.due_before]
+            if not entries:
+                break
+            examined += len(entries)
+            matches = [item for item in store.describe(entries) if flt.matches(item)]
+            matched += len(matches)
+            yield matches
+            gone = act(matches) if act else set()
+            last = entries[-1][0]
+            stayed_at_last = sum(1 for e, task_id in zip(entries, _ids(entries)) if e[0] == last and task_id not in gone)
+            skip = (skip if last == start_ms else 0) + stayed_at_last
+            start_ms = last
+            if progress:
+                progress(examined, matched)
+            if len(read) < BATCH or len(entries) < len(read):
+                break
+
+
+def count(store: DelayedStore, flt: Filter, progress: Progress | None = None) -> int:
+    """How many scheduled tasks match ``flt`` (a walk of the due window given: bounded batches)."""
+    return sum(len(batch) for batch in walk(store, flt, progress))
+
+
+def cancel(app: Celery, flt: Filter, progress: Progress | None = None) -> dict[str, int]:
+    """Cancel every scheduled task matching ``flt`` as a revoke does (out of the store, recorded
+    REVOKED); returns how many were ``cancelled`` and how many a poller was already ``dispatching``
+    (a Celery revoke is sent to the workers for those)."""
+    totals = {"cancelled": 0, "dispatching": 0}
+
+    def act(matches: list[dict]) -> set[str]:
+        ids = [item["task_id"] for item in matches]
+        outcomes = cancel_scheduled(app, ids)
+        dispatching = [task_id for task_id, outcome in outcomes.items() if outcome is Change.IN_FLIGHT]
+        if dispatching:
+            app.control.revoke(dispatching)
+        totals["cancelled"] += sum(outcome is Change.DONE for outcome in outcomes.values())
+        totals["dispatching"] += len(dispatching)
+        return set(ids)  # cancelled, or no longer in a bucket (claimed, dispatched) either way
+
+    for _ in walk(app.amqp.delayed_store, flt, progress, act):
+        pass
+    return totals
+
+
+def reschedule(store: DelayedStore, flt: Filter, *, shift_ms: int | None = None, to_ms: int | None = None,
+               progress: Progress | None = None) -> dict[str, int]:
+    """Move every scheduled task matching ``flt`` by ``shift_ms`` or to ``to_ms``; returns how many
+    were ``moved`` and how many a poller was already ``dispatching`` (those run as they were).
+
+    A moved task may land further on in the walk: it is recognised and left alone
+    (by id while a shift's tasks are ahead, by its due time when all go to one time).
+    """
+    if (shift_ms is None) == (to_ms is None):
+        raise ValueError("give a shift or a new due time, not both")
+    totals = {"moved": 0, "dispatching": 0}
+    ahead: dict[str, int] = {}  # ids shifted in this partition -> their new due ms, until the walk passes it
+    partition = [0]
+
+    def act(matches: list[dict]) -> set[str]:
+        if matches and matches[0]["partition"] != partition[0]:
+            partition[0] = matches[0]["partition"]
+            ahead.clear()
+        todo = [item for item in matches if item["task_id"] not in ahead and item["due_ms"] != to_ms]
+        moves = [(item["task_id"], to_ms if to_ms is not None else item["due_ms"] + shift_ms) for item in todo]
+        outcomes = store.reschedule_many(moves)
+        totals["moved"] += sum(outcome is Change.DONE for outcome in outcomes.values())
+        totals["dispatching"] += sum(outcome is Change.IN_FLIGHT for outcome in outcomes.values())
+        if shift_ms is not None:
+            ahead.update((task_id, due) for task_id, due in moves if outcomes[task_id] is Change.DONE)
+            if matches:
+                for task_id in [t for t, due in ahead.items() if due < matches[-1]["due_ms"]]:
+                    del ahead[task_id]
+        return {task_id for task_id, _ in moves}
+
+    for _ in walk(store, flt, progress, act):
+        pass
+    return totals
+
+
+def _ids(entries: list[tuple[int, bytes, int]]) -> list[str]:
+    return [task_id_of(member) for _, member, _ in entries]

@@ -10,10 +10,11 @@ the web view's bulk actions.  Reads and writes go through :class:`.DelayedStore`
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .inspection import Page, _next_cursor, _parse_cursor
-from .layout import task_id_of
+from .layout import due_ms_of, task_id_of
 from .outcomes import Change
 from .revoke import cancel_scheduled
 
@@ -185,6 +186,35 @@ def reschedule(store: DelayedStore, flt: Filter, *, shift_ms: int | None = None,
     for _ in walk(store, flt, progress, act):
         pass
     return totals
+
+
+def parse_when(text: str | None, now_ms: int) -> int | None:
+    """A time an operator typed, in ms since the epoch: ISO 8601 (naive = UTC, as Celery reads an ETA;
+    a browser's datetime-local field is one), ms since the epoch, or ``now``, ``now+10m``, ``now-2h``
+    (s, m, h, d).  Empty: None."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if text.isdigit():
+        return int(text)
+    if text.startswith("now"):
+        offset = text[3:].replace(" ", "")
+        return now_ms + (parse_seconds(offset) * 1000 if offset else 0)
+    try:
+        return due_ms_of(datetime.fromisoformat(text.replace("Z", "+00:00")))
+    except ValueError:
+        raise ValueError(f"not a time: {text!r} (give ISO 8601 such as 2026-12-24T18:00, ms since the epoch, "
+                         "or now+10m)") from None
+
+
+def parse_seconds(text: str) -> int:
+    """``+90``, ``90s``, ``-10m``, ``2h``, ``1d``: whole seconds (a shift)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+    try:
+        return int(body) * unit
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (give seconds, or a number with s, m, h or d)") from None
 
 
 def _ids(entries: list[tuple[int, bytes, int]]) -> list[str]:

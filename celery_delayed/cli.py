@@ -207,6 +207,38 @@ def _overdue_age(seconds: float | None) -> str:
     return "-" if seconds is None else _age(seconds)
 
 
+@delayed.command(cls=CeleryCommand)
+@click.option("--port", type=int, default=5566, show_default=True, help="Port to serve on.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to bind (127.0.0.1: this machine only; give another only behind auth).")
+@click.option("--basic-auth", envvar="CELERY_DELAYED_WEB_BASIC_AUTH", metavar="USER:PASSWORD",
+              help="Require HTTP basic auth (or set CELERY_DELAYED_WEB_BASIC_AUTH).")
+@click.option("--token", envvar="CELERY_DELAYED_WEB_TOKEN",
+              help="Accept 'Authorization: Bearer TOKEN' (API clients; or set CELERY_DELAYED_WEB_TOKEN).")
+@click.option("--metrics", "metrics_urls", multiple=True, metavar="URL",
+              help="A poller's Prometheus endpoint (repeatable), for the dispatch rate and lag.")
+@click.pass_context
+def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, token: str | None,
+        metrics_urls: tuple[str, ...]) -> None:
+    """Serve the web view of the schedule and the dead letters (and its JSON API under /api)."""
+    import tornado.ioloop
+
+    from .web.server import make_app
+    from .web.views import Views
+
+    _load(ctx)
+    try:
+        application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    application.listen(port, address)
+    auth = "basic auth" if basic_auth else "no auth"
+    click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth}{', token' if token else ''})")
+    if address not in ("127.0.0.1", "localhost", "::1") and not (basic_auth or token):
+        click.echo("warning: served beyond this machine without --basic-auth or --token", err=True)
+    tornado.ioloop.IOLoop.current().start()
+
+
 # -- dead-letter queue ---------------------------------------------------------
 #: Fields of each dead letter in ``dlq list --json``.
 LIST_FIELDS = ("task_id", "task", "queue", "source", "reason", "attempts", "timestamp")

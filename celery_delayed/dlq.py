@@ -13,11 +13,12 @@ so whoever waits on it learns why instead of waiting for ever.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from .envelope import Envelope, EnvelopeError
 from .once import forget_run_records
@@ -95,6 +96,17 @@ class DeadLetter:
             info.update(task=envelope.task_name or "?", queue=envelope.queue, headers=envelope.headers)
         return info
 
+    def matches(self, task: str | None, reason: str | None) -> bool:
+        """Whether the letter's task name is ``task`` and its reason contains ``reason`` (None: any)."""
+        if reason is not None and reason.lower() not in self.reason.lower():
+            return False
+        if task is None:
+            return True
+        try:
+            return Envelope.decode(self.message).task_name == task
+        except EnvelopeError:
+            return False
+
     def _meta(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "message"}
 
@@ -149,6 +161,38 @@ class DeadLetters:
         if not ids:
             return []
         return [DeadLetter.decode(d) for d in self.store.redis.hmget(self.keys[0], ids) if d is not None]
+
+    def find(self, task: str | None = None, reason: str | None = None, limit: int = 100,
+             budget: int = 5_000) -> list[DeadLetter]:
+        """The newest ``limit`` dead letters of task name ``task`` whose reason contains ``reason``
+        (None: any), among the newest ``budget`` letters; a damaged record is shown as one whose
+        reason says so."""
+        found = []
+        for letter in itertools.islice(self._newest(), budget):
+            if letter.matches(task, reason):
+                found.append(letter)
+                if len(found) == limit:
+                    break
+        return found
+
+    def matching(self, task: str | None = None, reason: str | None = None) -> list[str]:
+        """The task ids of every dead letter :meth:`find` would select (the whole queue is read, in
+        chunks: it holds at most ``delayed_dlq_max_entries``)."""
+        return [letter.task_id for letter in self._newest() if letter.matches(task, reason)]
+
+    def _newest(self) -> Iterator[DeadLetter]:
+        """Every dead letter, newest first, :data:`REQUEUE_CHUNK` per round trip."""
+        for start in itertools.count(0, REQUEUE_CHUNK):
+            ids = self.store.redis.zrevrange(self.keys[1], start, start + REQUEUE_CHUNK - 1)
+            for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids) if ids else []):
+                if data is None:  # purged between the two reads
+                    continue
+                try:
+                    yield DeadLetter.decode(data)
+                except DeadLetterError as exc:
+                    yield DeadLetter(task_id=raw_id.decode(), reason=str(exc), source="?")
+            if len(ids) < REQUEUE_CHUNK:
+                return
 
     def holds(self, task_id: str) -> bool:
         """Whether a dead letter of ``task_id`` is parked (its record is not read)."""

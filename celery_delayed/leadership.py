@@ -74,6 +74,24 @@ def make_etcd(settings: Settings, timeout: float = 2.0) -> MultiEndpointEtcd3Cli
                                     password=settings.etcd_password, failover=True)
 
 
+def leaders(settings: Settings, etcd: MultiEndpointEtcd3Client) -> dict[int, dict]:
+    """Who leads each partition now, for operators: per led partition its leader's poller id and
+    the seconds left on the leader's etcd lease (refreshed every lease_ttl / 3 while it lives)."""
+    ttls: dict[int, int] = {}  # one lookup per lease: a poller's partitions share its lease
+    out = {}
+    for p, (holder, meta) in sorted(_leader_keys(etcd, Keys(settings.key_prefix)).items()):
+        if meta.lease_id not in ttls:
+            ttls[meta.lease_id] = int(etcd.get_lease_info(meta.lease_id).TTL)
+        out[p] = {"poller": holder, "lease_ttl_s": ttls[meta.lease_id]}
+    return out
+
+
+def _leader_keys(etcd: MultiEndpointEtcd3Client, keys: Keys) -> dict[int, tuple[str, object]]:
+    """Partition -> (leader's poller id, its key's metadata), from etcd."""
+    return {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta)
+            for value, meta in etcd.get_prefix(keys.leaders())}
+
+
 class Leadership:
     """This poller's share of partitions, kept current by :meth:`step`."""
 
@@ -204,11 +222,10 @@ class Leadership:
 
     def _reconcile(self, share: int, epoch: int) -> dict[int, int]:
         owned = {}
-        leaders = {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta.create_revision)
-                   for value, meta in self.etcd.get_prefix(self.keys.leaders())}
-        for p, (holder, revision) in leaders.items():
+        leaders = _leader_keys(self.etcd, self.keys)
+        for p, (holder, meta) in leaders.items():
             if holder == self.id and p < self.settings.partitions:
-                owned[p] = token_of(epoch, revision)
+                owned[p] = token_of(epoch, meta.create_revision)
         for p in sorted(owned)[share:]:  # give back extras
             self._delete_if_mine(p)
             owned.pop(p)

@@ -1,0 +1,311 @@
+"""``celery delayed web``: the schedule and the dead letters in a browser, and the same as JSON under ``/api``.
+
+Tornado (installed with Flower), server-rendered pages, no script from anywhere
+else: the pages work offline.  Safe by default: it binds 127.0.0.1; with
+``--basic-auth`` or ``--token`` every request must authenticate; every change is
+a POST, which a browser must send with the page's XSRF token (a request
+authenticated by a bearer token is not sent by a browser on its own, so the API
+takes it without one).  Store calls run in a thread pool, never on the loop.
+"""
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+import secrets
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import tornado.web
+from tornado.ioloop import IOLoop
+
+from ..browse import Filter, parse_seconds, parse_when
+from ..outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
+from .views import Job, Views
+
+logger = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+#: Most rows a list page shows.
+MAX_ROWS = 500
+
+
+class Base(tornado.web.RequestHandler):
+    """Authentication, XSRF, errors, and one answer as a page or as JSON under ``/api``."""
+
+    views: Views
+
+    def initialize(self, views: Views, basic_auth: str | None, token: str | None) -> None:
+        self.views, self._basic, self._token = views, basic_auth, token
+
+    @property
+    def api(self) -> bool:
+        return self.request.path.startswith("/api/")
+
+    def _by_token(self) -> bool:
+        given = self.request.headers.get("Authorization", "")
+        return bool(self._token) and hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
+
+    def _by_password(self) -> bool:
+        given = self.request.headers.get("Authorization", "")
+        wanted = "Basic " + base64.b64encode(self._basic.encode()).decode() if self._basic else ""
+        return bool(self._basic) and hmac.compare_digest(given.encode(), wanted.encode())
+
+    def prepare(self) -> None:
+        if (self._basic or self._token) and not (self._by_token() or self._by_password()):
+            if self._basic:
+                self.set_header("WWW-Authenticate", 'Basic realm="celery-delayed"')
+            raise tornado.web.HTTPError(401, reason="credentials required")
+        if not self.api:
+            self.xsrf_token  # sets the XSRF cookie on every page, so each page's forms can be posted
+
+    def check_xsrf_cookie(self) -> None:
+        """A bearer token is never attached by a browser on its own: no XSRF check for it."""
+        if not self._by_token():
+            if (self._basic or self._token) and not self._by_password():
+                raise tornado.web.HTTPError(401, reason="credentials required")
+            super().check_xsrf_cookie()
+
+    async def call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run a store call in the pool, turning the store's refusals into HTTP errors."""
+        try:
+            return await IOLoop.current().run_in_executor(self.settings["pool"], lambda: fn(*args, **kwargs))
+        except TaskNotScheduled as exc:
+            raise tornado.web.HTTPError(404, reason=str(exc)) from None
+        except TaskInFlight as exc:
+            raise tornado.web.HTTPError(409, reason=str(exc)) from None
+        except StoreUnavailable as exc:
+            raise tornado.web.HTTPError(503, reason=f"store unavailable: {exc}") from None
+        except ValueError as exc:
+            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+
+    def answer(self, template: str, data: dict[str, Any], status: int = 200, **page: Any) -> None:
+        """``data`` as JSON under /api, else rendered by ``template`` (with the page-only ``page`` values)."""
+        self.set_status(status)
+        if self.api:
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps(data, default=str))
+        else:
+            self.render(template, **data, **page)
+
+    def done(self, data: dict[str, Any], then: str) -> None:
+        """After a change: JSON for the API, else back to a page (POST, redirect, GET)."""
+        if self.api:
+            self.answer("", data)
+        else:
+            self.redirect(then, status=303)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """The error as JSON or a page; a 4xx of Tornado's own (XSRF) says what was wrong, not only 'Forbidden'."""
+        message = self._reason
+        error = kwargs.get("exc_info", (None, None))[1]
+        if isinstance(error, tornado.web.HTTPError) and error.reason is None and error.log_message \
+                and status_code < 500:
+            message = error.log_message % error.args
+        if self.api:
+            self.finish({"error": message, "status": status_code})
+        else:
+            self.render("error.html", status=status_code, message=message)
+
+    def arg(self, name: str) -> str | None:
+        value = self.get_argument(name, "").strip()
+        return value or None
+
+    def filter(self, now_ms: int) -> Filter:
+        """The filter of the request's fields: task, queue, due_after, due_before, id_prefix."""
+        try:
+            return Filter(task=self.arg("task"), queue=self.arg("queue"), id_prefix=self.arg("id_prefix"),
+                          due_after=parse_when(self.arg("due_after"), now_ms),
+                          due_before=parse_when(self.arg("due_before"), now_ms))
+        except ValueError as exc:
+            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+
+    def limit(self, default: int) -> int:
+        try:
+            return max(1, min(MAX_ROWS, int(self.get_argument("limit", str(default)))))
+        except ValueError:
+            raise tornado.web.HTTPError(400, reason="limit must be a number") from None
+
+    def get_template_namespace(self) -> dict[str, Any]:
+        return {**super().get_template_namespace(), "utc": _utc, "local": _local, "rel": _relative,
+                "age": _age, "bars": _bars, "next_page": _next_page,
+                "json_encode_pretty": lambda value: json.dumps(value, indent=2, default=str)}
+
+
+class Overview(Base):
+    async def get(self) -> None:
+        self.answer("overview.html", await self.call(self.views.overview))
+
+
+class Upcoming(Base):
+    async def get(self) -> None:
+        task_id = self.arg("id")
+        if task_id and not self.api:  # search by id: that task's page
+            return self.redirect(f"/tasks/{tornado.escape.url_escape(task_id, plus=False)}")
+        now_ms = await self.call(self.views.store.now_ms)
+        data = await self.call(self.views.upcoming, self.filter(now_ms), self.arg("after"), self.limit(50))
+        self.answer("upcoming.html", data, query=self.request.query_arguments)
+
+
+class Task(Base):
+    async def get(self, task_id: str) -> None:
+        info = await self.call(self.views.task, task_id)
+        if info is None:
+            dead = await self.call(self.views.letters.holds, task_id)
+            raise tornado.web.HTTPError(404, reason=f"task {task_id} is not in the store (never scheduled, "
+                                        "dispatched, or cancelled)" + ("; it is a dead letter" if dead else ""))
+        self.answer("task.html", info)
+
+    async def post(self, task_id: str, action: str) -> None:
+        if action == "cancel":
+            data = await self.call(self.views.cancel, task_id)
+            return self.done(data, f"/upcoming?done=cancelled+{tornado.escape.url_escape(task_id)}")
+        if action == "run-now":
+            data = await self.call(self.views.run_now, task_id)
+        elif action == "reschedule":
+            now_ms = await self.call(self.views.store.now_ms)
+            due, shift = self.arg("eta"), self.arg("shift")
+            if (due is None) == (shift is None):
+                raise tornado.web.HTTPError(400, reason="give eta (a time) or shift (seconds), not both")
+            try:
+                due_ms = parse_when(due, now_ms) if due else self._due(task_id) + parse_seconds(shift) * 1000
+            except ValueError as exc:
+                raise tornado.web.HTTPError(400, reason=str(exc)) from None
+            data = await self.call(self.views.reschedule, task_id, due_ms)
+        else:
+            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+        self.done(data, f"/tasks/{tornado.escape.url_escape(task_id, plus=False)}")
+
+    def _due(self, task_id: str) -> int:
+        info = self.views.store.get(task_id)
+        if info is None or info["due_ms"] is None:
+            raise tornado.web.HTTPError(404, reason=f"no scheduled task with id {task_id}")
+        return info["due_ms"]
+
+
+class Bulk(Base):
+    async def post(self) -> None:
+        now_ms = await self.call(self.views.store.now_ms)
+        shift, eta = self.arg("shift"), self.arg("eta")
+        action = self.get_argument("action", "count")
+        try:
+            shift_ms = parse_seconds(shift) * 1000 if shift else None
+            to_ms = parse_when(eta, now_ms)
+        except ValueError as exc:
+            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+        if action == "reschedule" and (shift_ms is None) == (to_ms is None):
+            raise tornado.web.HTTPError(400, reason="reschedule needs shift (seconds) or eta (a time), not both")
+        job: Job = await self.call(self.views.bulk, action, self.filter(now_ms), shift_ms, to_ms, self.arg("confirm"))
+        if self.api:
+            return self.answer("", job.describe(), status=202)
+        self.redirect(f"/jobs/{job.id}", status=303)
+
+
+class JobPage(Base):
+    def get(self, job_id: str) -> None:
+        job = self.views.jobs.get(job_id)
+        if job is None:
+            raise tornado.web.HTTPError(404, reason=f"no job {job_id} (this process did not start it, or forgot it)")
+        self.answer("job.html", job.describe())
+
+
+class DeadLetterList(Base):
+    async def get(self) -> None:
+        data = await self.call(self.views.dead_letters, self.arg("task"), self.arg("reason"), self.limit(100))
+        self.answer("dead_letters.html", data)
+
+    async def post(self, action: str) -> None:
+        """Requeue or purge every dead letter of the filter (task, reason): all that match, at once."""
+        if action not in ("requeue", "purge"):
+            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+        ids = await self.call(self.views.letters.matching, self.arg("task"), self.arg("reason"))
+        if self.get_argument("confirm", "") != str(len(ids)):
+            raise tornado.web.HTTPError(400, reason=f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
+        data = await self.call(getattr(self.views, action), ids)
+        self.done(data, "/dead-letters")
+
+
+class DeadLetter(Base):
+    async def get(self, task_id: str) -> None:
+        info = await self.call(self.views.dead_letter, task_id)
+        if info is None:
+            raise tornado.web.HTTPError(404, reason=f"no dead letter with task id {task_id}")
+        self.answer("dead_letter.html", info)
+
+    async def post(self, task_id: str, action: str) -> None:
+        if action not in ("requeue", "purge"):
+            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+        data = await self.call(getattr(self.views, action), [task_id])
+        if data.get("unknown"):
+            raise tornado.web.HTTPError(404, reason=f"no dead letter with task id {task_id}")
+        self.done(data, "/dead-letters")
+
+
+def make_app(views: Views, basic_auth: str | None = None, token: str | None = None,
+             cookie_secret: str | None = None) -> tornado.web.Application:
+    """The web view's routes; each page's path under ``/api`` answers the same as JSON."""
+    if basic_auth is not None and ":" not in basic_auth:
+        raise ValueError("--basic-auth must be user:password")
+    init = {"views": views, "basic_auth": basic_auth, "token": token}
+    routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
+              (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", Task), (r"/bulk", Bulk), (r"/jobs/(\w+)", JobPage),
+              (r"/dead-letters", DeadLetterList), (r"/dead-letters/(requeue|purge)", DeadLetterList),
+              (r"/dead-letters/([^/]+)", DeadLetter), (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetter)]
+    handlers = [(path, cls, init) for path, cls in routes]
+    handlers += [("/api/overview" if path == "/" else "/api" + path, cls, init) for path, cls in routes]
+    return tornado.web.Application(
+        handlers, template_path=str(HERE / "templates"), static_path=str(HERE / "static"),
+        xsrf_cookies=True, cookie_secret=cookie_secret or secrets.token_hex(32),
+        pool=ThreadPoolExecutor(8, thread_name_prefix="delayed-web"), autoescape="xhtml_escape")
+
+
+# -- formatting for the templates ---------------------------------------------
+def _utc(ms: int | None) -> str:
+    return "-" if ms is None else datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _local(ms: int | None) -> str:
+    return "-" if ms is None else datetime.fromtimestamp(ms / 1000).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _age(seconds: float | None) -> str:
+    """A compact age: 42s, 5m, 3h, 2d."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(0, int(seconds))}s"
+
+
+def _relative(ms: int | None, now_ms: int) -> str:
+    if ms is None:
+        return "-"
+    seconds = (ms - now_ms) / 1000
+    return f"in {_age(seconds)}" if seconds >= 0 else f"{_age(-seconds)} ago"
+
+
+def _next_page(query: dict[str, list[bytes]], cursor: str) -> str:
+    """The query string of the next page: the same filter, after ``cursor``."""
+    kept = {k: v[0].decode() for k, v in query.items() if k not in ("after", "done")}
+    return urllib.parse.urlencode({**kept, "after": cursor})
+
+
+def _bars(histogram: dict[str, Any], label: Callable[[int], str], width: int = 720, height: int = 120) -> str:
+    """An inline SVG bar chart of a histogram (no script, no external resource); a title per bar."""
+    counts, start, step = histogram["counts"], histogram["start_ms"], histogram["bin_s"] * 1000
+    top = max(counts, default=0) or 1
+    w = width / max(1, len(counts))
+    bars = []
+    for i, n in enumerate(counts):
+        h = (height - 14) * n / top
+        when = _utc(start + i * step)
+        bars.append(f'<rect x="{i * w:.1f}" y="{height - 14 - h:.1f}" width="{max(1.0, w - 1):.1f}" '
+                    f'height="{h:.1f}"><title>{when}: {n:,} tasks</title></rect>')
+    ticks = "".join(f'<text x="{i * w:.1f}" y="{height - 2}">{label(start + i * step)}</text>'
+                    for i in range(0, len(counts), max(1, len(counts) // 6)))
+    return (f'<svg class="bars" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img">'
+            f'{"".join(bars)}{ticks}</svg>')

@@ -1,0 +1,245 @@
+"""What each page of ``celery delayed web`` shows, as JSON-ready dicts (the API returns them as they are).
+
+Every read is bounded, so a page answers as fast with 10M tasks as with ten:
+counts are one script call per partition, the load histogram is counted from the
+bucket index, lists are pages of :func:`.browse.find` and the dead letters'
+newest.  Bulk actions run as :class:`Job` threads whose progress a page polls.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .. import browse, store_of
+from ..browse import Filter
+from ..dlq import DeadLetters
+from ..leadership import leaders, make_etcd
+from ..outcomes import Change
+from ..revoke import cancel_scheduled
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+MINUTE_MS, HOUR_MS = 60_000, 3_600_000
+#: The load histogram: per minute for the next hour, per hour for the next two days.
+NEAR_BINS, FAR_BINS = 60, 48
+#: Bulk jobs kept for their pages (the oldest finished ones are forgotten first).
+KEPT_JOBS = 100
+
+
+class Views:
+    """The data behind every page and API route of one Celery app's store."""
+
+    def __init__(self, app: Celery, metrics_urls: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.store = store_of(app)
+        self.letters = DeadLetters(self.store)
+        self.jobs = Jobs()
+        self.dispatch = DispatchRate(metrics_urls)
+        self._etcd = None
+
+    # -- overview ------------------------------------------------------------
+    def overview(self) -> dict[str, Any]:
+        """Per partition and in all: scheduled, in flight, overdue, next due, the leader and its lease;
+        dead letters; the load histogram; the pollers' dispatch rate and lag when their metrics are given."""
+        now_ms = self.store.now_ms()
+        rows = self.store.counts()
+        lead, etcd_error = self._leaders()
+        for row in rows:
+            row.update(lead.get(row["partition"], {"poller": None, "lease_ttl_s": None}))
+        ages = [r["oldest_overdue_s"] for r in rows if r["oldest_overdue_s"] is not None]
+        upcoming = [r["upcoming_due_ms"] for r in rows if r["upcoming_due_ms"] is not None]
+        totals = {k: sum(r[k] for r in rows) for k in ("scheduled", "inflight", "overdue")}
+        totals.update(oldest_overdue_s=max(ages, default=None), upcoming_due_ms=min(upcoming, default=None),
+                      led=sum(1 for r in rows if r["poller"]), pollers=len({r["poller"] for r in rows if r["poller"]}))
+        return {"now_ms": now_ms, "totals": totals, "partitions": rows, "etcd_error": etcd_error,
+                "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
+                "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
+                              "next_days": self._histogram(now_ms, HOUR_MS, FAR_BINS)},
+                "dispatch": self.dispatch.read()}
+
+    def _histogram(self, now_ms: int, bin_ms: int, bins: int) -> dict[str, Any]:
+        start = now_ms - now_ms % bin_ms
+        return {"start_ms": start, "bin_s": bin_ms // 1000,
+                "counts": self.store.histogram(start, start + bins * bin_ms, bin_ms)}
+
+    def _leaders(self) -> tuple[dict[int, dict], str | None]:
+        try:
+            if self._etcd is None:
+                self._etcd = make_etcd(self.store.settings)
+            return leaders(self.store.settings, self._etcd), None
+        except Exception as exc:  # etcd down: the store's figures still show
+            return {}, f"etcd: {exc!r}"
+
+    # -- the schedule ----------------------------------------------------------
+    def upcoming(self, flt: Filter, after: str | None, limit: int) -> dict[str, Any]:
+        page = browse.find(self.store, flt, limit, after)
+        return {"now_ms": self.store.now_ms(), "filter": flt.as_dict(), "items": page.items,
+                "cursor": page.cursor, "examined": page.examined}
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        """``delayed show``'s view of a task, or None; says whether it is a dead letter instead."""
+        info = self.store.get(task_id)
+        if info is not None:
+            info["now_ms"] = self.store.now_ms()
+        return info
+
+    def cancel(self, task_id: str) -> dict[str, Any]:
+        """Cancel for good, as a revoke does; a task being dispatched is revoked in the workers."""
+        outcome = cancel_scheduled(self.app, [task_id])[task_id]
+        if outcome is Change.IN_FLIGHT:
+            self.app.control.revoke(task_id)
+        if outcome is Change.UNKNOWN:
+            outcome.check(task_id, "cancelled")
+        return {"task_id": task_id, "outcome": "cancelled" if outcome is Change.DONE else "revoked in the workers"}
+
+    def reschedule(self, task_id: str, due_ms: int) -> dict[str, Any]:
+        return {"task_id": task_id, "due_ms": self.store.reschedule(task_id, due_ms)}
+
+    def run_now(self, task_id: str) -> dict[str, Any]:
+        return self.reschedule(task_id, self.store.now_ms())
+
+    # -- bulk ------------------------------------------------------------------
+    def bulk(self, action: str, flt: Filter, shift_ms: int | None = None, to_ms: int | None = None,
+             confirm: str | None = None) -> Job:
+        """Start a bulk job on every task matching ``flt``: ``count``, or ``cancel`` / ``reschedule``,
+        which run only with ``confirm`` naming a finished count job of the same filter and action."""
+        if action == "count":
+            return self.jobs.start("count", flt, lambda progress: {"matched": browse.count(self.store, flt, progress)})
+        if action not in ("cancel", "reschedule"):
+            raise ValueError(f"unknown bulk action {action!r}: count, cancel or reschedule")
+        counted = self.jobs.get(confirm or "")
+        if counted is None or counted.action != "count" or counted.filter != flt or counted.state != "done":
+            raise ValueError(f"{action} by filter needs confirming: count the tasks of this filter first, then "
+                             "send the count job's id as confirm")
+        if action == "cancel":
+            return self.jobs.start("cancel", flt, lambda progress: browse.cancel(self.app, flt, progress))
+        return self.jobs.start("reschedule", flt, lambda progress: browse.reschedule(
+            self.store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
+
+    # -- dead letters ----------------------------------------------------------
+    def dead_letters(self, task: str | None, reason: str | None, limit: int) -> dict[str, Any]:
+        letters = self.letters.find(task, reason, limit)
+        return {"now_ms": self.store.now_ms(), "count": self.letters.count(),
+                "filter": {k: v for k, v in (("task", task), ("reason", reason)) if v},
+                "items": [{k: v for k, v in letter.describe().items() if k not in ("headers", "traceback")}
+                          for letter in letters]}
+
+    def dead_letter(self, task_id: str) -> dict[str, Any] | None:
+        letter = self.letters.get(task_id)
+        return None if letter is None else letter.describe()
+
+    def requeue(self, task_ids: list[str]) -> dict[str, Any]:
+        requeued = [t for t in task_ids if self.letters.requeue(t, self.app.backend)]
+        return {"requeued": len(requeued), "unknown": len(task_ids) - len(requeued)}
+
+    def purge(self, task_ids: list[str]) -> dict[str, Any]:
+        purged = sum(self.letters.purge(t) for t in task_ids)
+        return {"purged": purged, "unknown": len(task_ids) - purged}
+
+
+@dataclass
+class Job:
+    """A bulk action running in a thread of the web process: its progress, then its result."""
+
+    action: str
+    filter: Filter
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    state: str = "running"  # running, done, failed
+    examined: int = 0
+    matched: int = 0
+    result: dict | None = None
+    error: str | None = None
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "filter": self.filter.as_dict()}
+
+
+class Jobs:
+    """The web process's bulk jobs by id (kept in memory: a restart forgets them, not their effect)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def start(self, action: str, flt: Filter, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
+        job = Job(action, flt)
+
+        def progress(examined: int, matched: int) -> None:
+            job.examined, job.matched = examined, matched
+
+        def run() -> None:
+            try:
+                job.result = work(progress)
+                job.state = "done"
+            except Exception as exc:  # shown on the job's page; what was done before it stays done
+                job.error, job.state = f"{type(exc).__name__}: {exc}", "failed"
+            finally:
+                job.finished = time.time()
+
+        with self._lock:
+            self._jobs[job.id] = job
+            for old in itertools.islice([j for j in self._jobs.values() if j.finished], max(0, len(self._jobs) - KEPT_JOBS)):
+                del self._jobs[old.id]
+        threading.Thread(target=run, name=f"bulk-{job.id}", daemon=True).start()
+        return job
+
+
+class DispatchRate:
+    """The pollers' dispatch rate and lag, from their Prometheus endpoints (``--metrics URL``).
+
+    The rate is the dispatched counters' growth since the previous read; the lag
+    quantiles are read from the dispatch lag histograms' buckets (since each
+    poller started), the bucket's upper bound a quantile falls in.
+    """
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self.urls = urls
+        self._last: tuple[float, float] | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> dict[str, Any] | None:
+        if not self.urls:
+            return None
+        dispatched, buckets, errors = 0.0, {}, []
+        for url in self.urls:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    text = reply.read().decode()
+            except OSError as exc:
+                errors.append(f"{url}: {exc}")
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "celery_delayed_dispatched_total":
+                        dispatched += sample.value
+                    elif sample.name == "celery_delayed_dispatch_lag_seconds_bucket":
+                        le = float(sample.labels["le"])
+                        buckets[le] = buckets.get(le, 0.0) + sample.value
+        now = time.monotonic()
+        with self._lock:
+            last, self._last = self._last, (now, dispatched)
+        rate = None if last is None or now <= last[0] else max(0.0, dispatched - last[1]) / (now - last[0])
+        return {"dispatched": dispatched, "rate_per_s": rate, "lag_p50_s": _quantile(buckets, 0.5),
+                "lag_p99_s": _quantile(buckets, 0.99), "errors": errors}
+
+
+def _quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The upper bound of the histogram bucket holding quantile ``q`` (cumulative counts by bound)."""
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return None
+    return next(le for le, n in sorted(buckets.items()) if n >= q * total)

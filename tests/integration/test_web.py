@@ -1,0 +1,271 @@
+"""``celery delayed web`` over HTTP: every page and its /api twin, auth, XSRF, bulk actions, dead letters.
+
+The server runs in a thread of the test on a free port, on the real store
+(standalone Redis and the Redis Cluster); requests go through urllib with a
+cookie jar, as a browser's would.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.cookiejar
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import tornado.httpserver
+import tornado.ioloop
+import tornado.netutil
+from celery import states
+
+from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetter, DeadLetters
+from celery_delayed.web.server import make_app
+from celery_delayed.web.views import Views
+from tasks import create_app
+
+from .support import envelopes
+
+pytestmark = pytest.mark.cluster_too
+
+MINUTE = 60_000
+
+
+class Server:
+    """The web app on a free loopback port, in a thread with its own event loop."""
+
+    def __init__(self, app, **auth) -> None:
+        self.app = app
+        sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
+        self.url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}"
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(asyncio.new_event_loop())
+            self.loop = tornado.ioloop.IOLoop.current()
+            tornado.httpserver.HTTPServer(make_app(Views(app), **auth)).add_sockets(sockets)
+            ready.set()
+            self.loop.start()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def stop(self) -> None:
+        self.loop.add_callback(self.loop.stop)
+        self.thread.join(10)
+
+
+class Client:
+    """A browser's part: cookies kept, the XSRF token sent with every form, redirects followed."""
+
+    def __init__(self, base: str, headers: dict | None = None) -> None:
+        self.base, self.headers = base, headers or {}
+        self.jar = http.cookiejar.CookieJar()
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar))
+
+    def request(self, path: str, form: dict | None = None, xsrf: bool = True) -> tuple[int, str]:
+        data = None
+        if form is not None:
+            if xsrf:
+                if not any(c.name == "_xsrf" for c in self.jar):
+                    self.request("/")  # any page sets the cookie
+                form = {**form, "_xsrf": next(c.value for c in self.jar if c.name == "_xsrf")}
+            data = urllib.parse.urlencode(form).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers=self.headers)
+        try:
+            with self.opener.open(req, timeout=30) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def json(self, path: str, form: dict | None = None, **kw) -> tuple[int, dict]:
+        status, body = self.request(path, form, **kw)
+        return status, json.loads(body)
+
+
+@pytest.fixture
+def app(overrides):
+    return create_app(**overrides)
+
+
+@pytest.fixture
+def server(app):
+    srv = Server(app)
+    yield srv
+    srv.stop()
+
+
+def _schedule(app, now: int) -> None:
+    store = store_of(app)
+    for k in range(6):
+        store.schedule_many(envelopes(20, "mail", now + (k + 1) * MINUTE, prefix=f"mail-{k}", task="app.mail"))
+        store.schedule_many(envelopes(10, "web", now + (k + 1) * MINUTE, prefix=f"web-{k}", task="app.page"))
+
+
+def test_every_page_answers_and_its_api_twin_returns_the_same_data(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    client = Client(server.url)
+    status, overview = client.json("/api/overview")
+    assert status == 200 and overview["totals"]["scheduled"] == 180
+    assert sum(overview["histogram"]["next_hour"]["counts"]) == 180 and len(overview["partitions"]) == 4
+    status, page = client.request("/")
+    assert status == 200 and 'id="scheduled">180<' in page and "<svg" in page
+
+    status, upcoming = client.json("/api/upcoming?task=app.page&limit=7")
+    assert status == 200 and len(upcoming["items"]) == 7 and {i["task"] for i in upcoming["items"]} == {"app.page"}
+    status, page = client.request("/upcoming?task=app.page&limit=7")
+    assert status == 200 and page.count('href="/tasks/web-') == 7 and 'id="next"' in page
+
+    task_id = upcoming["items"][0]["task_id"]
+    status, task = client.json(f"/api/tasks/{task_id}")
+    assert status == 200 and task["task"] == "app.page" and task["state"] == "scheduled"
+    status, page = client.request(f"/tasks/{task_id}")
+    assert status == 200 and task_id in page and 'id="cancel"' in page
+    status, page = client.request(f"/upcoming?id={task_id}")  # search by id: its page
+    assert status == 200 and f'<code id="task-id">{task_id}</code>' in page
+
+    status, error = client.json("/api/tasks/no-such-task")
+    assert status == 404 and "not in the store" in error["error"]
+    status, error = client.json("/api/upcoming?due_after=yesterday")
+    assert status == 400 and "not a time: 'yesterday'" in error["error"]
+
+
+def test_upcoming_pages_through_every_partition_in_due_order(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    client = Client(server.url)
+    seen, after = [], None
+    while True:
+        query = urllib.parse.urlencode({"queue": "mail", "limit": 13, **({"after": after} if after else {})})
+        status, page = client.json(f"/api/upcoming?{query}")
+        assert status == 200
+        seen += page["items"]
+        if (after := page["cursor"]) is None:
+            break
+    assert len(seen) == len({i["task_id"] for i in seen}) == 120
+    assert {i["partition"] for i in seen} == {0, 1, 2, 3}
+    assert [i["due_ms"] for i in seen] == sorted(i["due_ms"] for i in seen)
+
+
+def test_cancel_reschedule_and_run_now_from_a_task_page(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    store, client = store_of(app), Client(server.url)
+    status, _ = client.request("/tasks/mail-0-1/cancel", {})
+    assert status == 200 and store.get("mail-0-1") is None
+    assert app.AsyncResult("mail-0-1").state == states.REVOKED
+    status, moved = client.json("/api/tasks/mail-0-2/reschedule", {"shift": "90m"})
+    assert status == 200 and store.get("mail-0-2")["due_ms"] == now + MINUTE + 90 * MINUTE == moved["due_ms"]
+    status, moved = client.json("/api/tasks/mail-0-3/reschedule", {"eta": "2031-01-02T03:04:05"})
+    assert status == 200 and store.get("mail-0-3")["eta"] == "2031-01-02T03:04:05.000+00:00"
+    status, _ = client.json("/api/tasks/mail-0-4/run-now", {})
+    assert status == 200 and store.get("mail-0-4")["due_ms"] <= int(time.time() * 1000)
+    status, error = client.json("/api/tasks/mail-0-1/cancel", {})
+    assert status == 404 and "no scheduled task with id mail-0-1" in error["error"]
+
+
+def test_bulk_cancel_by_filter_needs_its_count_and_leaves_the_others(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    store, client = store_of(app), Client(server.url)
+    flt = {"task": "app.mail", "due_before": str(now + 4 * MINUTE)}
+    status, error = client.json("/api/bulk", {**flt, "action": "cancel"})
+    assert status == 400 and "count the tasks of this filter first" in error["error"]
+
+    status, job = client.json("/api/bulk", {**flt, "action": "count"})
+    assert status == 202
+    counted = _finished(client, job["id"])
+    assert counted["result"] == {"matched": 60}
+    status, error = client.json("/api/bulk", {**flt, "task": "app.page", "action": "cancel", "confirm": job["id"]})
+    assert status == 400  # a count of another filter does not confirm this one
+
+    status, job = client.json("/api/bulk", {**flt, "action": "cancel", "confirm": job["id"]})
+    assert status == 202 and _finished(client, job["id"])["result"] == {"cancelled": 60, "dispatching": 0}
+    left = store.counts()
+    assert sum(r["scheduled"] for r in left) == 120
+    assert store.get("mail-3-0") is not None and store.get("web-0-0") is not None and store.get("mail-0-0") is None
+    status, page = client.request(f"/jobs/{job['id']}")
+    assert status == 200 and "cancelled: 60" in page
+
+
+def test_bulk_reschedule_by_filter_shifts_every_match(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    store, client = store_of(app), Client(server.url)
+    status, job = client.json("/api/bulk", {"queue": "web", "action": "count"})
+    _finished(client, job["id"])
+    status, job = client.json("/api/bulk", {"queue": "web", "action": "reschedule", "shift": "2m",
+                                            "confirm": job["id"]})
+    assert status == 202 and _finished(client, job["id"])["result"] == {"moved": 60, "dispatching": 0}
+    assert store.get("web-5-3")["due_ms"] == now + 8 * MINUTE and store.get("mail-5-3")["due_ms"] == now + 6 * MINUTE
+
+
+def _finished(client: Client, job_id: str) -> dict:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status, job = client.json(f"/api/jobs/{job_id}")
+        assert status == 200
+        if job["state"] != "running":
+            assert job["state"] == "done", job
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still running after 60 s")
+
+
+def test_dead_letters_list_show_requeue_and_purge(app, server):
+    letters = DeadLetters(store_of(app))
+    parked = {task_id: data for task_id, _, data in envelopes(5, "q", 0, prefix="dead")}
+    for i, (task_id, data) in enumerate(parked.items()):
+        letters.add(DeadLetter(task_id=task_id, reason="boom" if i < 3 else "unknown task", source="worker",
+                               message=data, traceback="Traceback: boom"))
+    client = Client(server.url)
+    status, listed = client.json("/api/dead-letters?reason=BOOM")
+    assert status == 200 and listed["count"] == 5 and len(listed["items"]) == 3
+    status, page = client.request("/dead-letters")
+    assert status == 200 and page.count('href="/dead-letters/dead-') == 5
+    status, letter = client.json("/api/dead-letters/dead-0")
+    assert status == 200 and letter["traceback"] == "Traceback: boom" and letter["task"] == "tasks.demo.add"
+
+    status, done = client.json("/api/dead-letters/dead-0/requeue", {})
+    assert status == 200 and done == {"requeued": 1, "unknown": 0}
+    assert store_of(app).get("dead-0") is not None and not letters.holds("dead-0")
+    status, error = client.json("/api/dead-letters/purge", {"reason": "boom"})
+    assert status == 400 and "needs confirm=2" in error["error"]
+    status, done = client.json("/api/dead-letters/purge", {"reason": "boom", "confirm": "2"})
+    assert status == 200 and done == {"purged": 2, "unknown": 0} and letters.count() == 2
+
+
+def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(app):
+    server = Server(app, basic_auth="ops:s3cret", token="t0ken")
+    try:
+        anonymous = Client(server.url)
+        status, _ = anonymous.request("/")
+        assert status == 401
+        status, _ = anonymous.request("/api/overview")
+        assert status == 401
+        status, _ = anonymous.request("/tasks/x/cancel", {}, xsrf=False)
+        assert status in (401, 403)
+
+        basic = {"Authorization": "Basic " + base64.b64encode(b"ops:s3cret").decode()}
+        wrong = Client(server.url, {"Authorization": "Basic " + base64.b64encode(b"ops:guess").decode()})
+        assert wrong.request("/")[0] == 401
+        operator = Client(server.url, basic)
+        assert operator.request("/")[0] == 200
+        store_of(app).schedule_many(envelopes(1, "q", int(time.time() * 1000) + MINUTE, prefix="keep"))
+        status, body = operator.request("/api/tasks/keep-0/cancel", {}, xsrf=False)
+        assert status == 403 and "_xsrf" in body and store_of(app).get("keep-0") is not None
+        status, _ = operator.request("/api/tasks/keep-0/cancel", {})
+        assert status == 200 and store_of(app).get("keep-0") is None
+
+        api = Client(server.url, {"Authorization": "Bearer t0ken"})
+        assert api.json("/api/overview")[0] == 200
+        status, job = api.json("/api/bulk", {"action": "count"}, xsrf=False)  # a bearer token needs no XSRF
+        assert status == 202
+    finally:
+        server.stop()

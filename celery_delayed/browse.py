@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from .inspection import Page, _next_cursor, _parse_cursor
 from .layout import due_ms_of, task_id_of
 from .outcomes import Change
-from .revoke import cancel_scheduled
+from .revoke import cancel_or_revoke
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -140,12 +140,9 @@ def cancel(app: Celery, flt: Filter, progress: Progress | None = None) -> dict[s
 
     def act(matches: list[dict]) -> set[str]:
         ids = [item["task_id"] for item in matches]
-        outcomes = cancel_scheduled(app, ids)
-        dispatching = [task_id for task_id, outcome in outcomes.items() if outcome is Change.IN_FLIGHT]
-        if dispatching:
-            app.control.revoke(dispatching)
+        outcomes = cancel_or_revoke(app, ids)
         totals["cancelled"] += sum(outcome is Change.DONE for outcome in outcomes.values())
-        totals["dispatching"] += len(dispatching)
+        totals["dispatching"] += sum(outcome is Change.IN_FLIGHT for outcome in outcomes.values())
         return set(ids)  # cancelled, or no longer in a bucket (claimed, dispatched) either way
 
     for _ in walk(app.amqp.delayed_store, flt, progress, act):

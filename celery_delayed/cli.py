@@ -12,25 +12,29 @@ import textwrap
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Iterator
+from typing import Callable, Iterator
 
 import click
 import prometheus_client
 from celery.bin.base import CeleryCommand, handle_preload_options
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from . import store_of
+from . import browse, store_of
+from .browse import Filter, parse_seconds, parse_when
 from .dlq import DeadLetterError, DeadLetters
-from .outcomes import Change, StoreUnavailable
+from .layout import iso_of
+from .outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
 from .poller import Poller
-from .revoke import cancel_scheduled
+from .revoke import cancel_or_revoke
 from .settings import ConfigurationError, Settings
 from .inspection import MAX_PAGE
 from .store import DelayedStore
 
 console = Console()
+err_console = Console(stderr=True)
 
 
 @click.group(name="delayed")
@@ -141,29 +145,118 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
     console.print(table)
 
 
+def _filter_options(command: Callable) -> Callable:
+    """The options selecting many scheduled tasks (browse.Filter's fields), for bulk commands."""
+    for name, help_ in reversed([("--task", "Tasks of this name."), ("--queue", "Tasks of this queue."),
+                                 ("--due-after", "Due at or after this time (ISO 8601, ms, or now+1h)."),
+                                 ("--due-before", "Due before this time."),
+                                 ("--id-prefix", "Task ids starting with this.")]):
+        command = click.option(name, metavar="NAME" if name in ("--task", "--queue") else None, help=help_)(command)
+    command = click.option("--dry-run", is_flag=True, help="Count the tasks the filter selects; change nothing.")(command)
+    return click.option("-y", "--yes", is_flag=True, help="Act on the matches without asking.")(command)
+
+
+def _bulk_filter(store: DelayedStore, fields: dict) -> Filter | None:
+    """The filter of the bulk options given, None when none was given."""
+    with _store_errors():
+        now_ms = store.now_ms()
+        flt = Filter(task=fields["task"], queue=fields["queue"], id_prefix=fields["id_prefix"],
+                     due_after=parse_when(fields["due_after"], now_ms),
+                     due_before=parse_when(fields["due_before"], now_ms))
+    return None if flt.is_empty() else flt
+
+
+def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
+          act: Callable[[browse.Progress], dict]) -> None:
+    """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count."""
+    with _progress("counting") as progress, _store_errors():
+        matched = browse.count(store, flt, progress)
+    what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
+    if dry_run or not matched:
+        click.echo(f"{matched} scheduled tasks match {what}" + ("; nothing changed" if dry_run else ""))
+        return
+    if not yes:
+        click.confirm(f"This will {verb} {matched} scheduled tasks ({what}). Go on?", abort=True)
+    with _progress(verb) as progress, _store_errors():
+        totals = act(progress)
+    click.echo(", ".join(f"{k} {v}" for k, v in totals.items()))
+
+
+@contextmanager
+def _progress(what: str) -> Iterator[browse.Progress]:
+    """A rich progress line counting entries examined and matched."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                  transient=True) as bar:
+        task = bar.add_task(what)
+        yield lambda examined, matched: bar.update(task, description=f"{what}: {examined:,} examined, "
+                                                                      f"{matched:,} match")
+
+
 @delayed.command(cls=CeleryCommand)
 @click.argument("task_id", required=False)
 @click.option("--key", help="The task scheduled under this replace-by-key key (delayed_key header).")
+@_filter_options
 @click.pass_context
-def cancel(ctx: click.Context, task_id: str | None, key: str | None) -> None:
+def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bool, yes: bool, **fields) -> None:
     """Cancel a scheduled task for good (as a revoke does): out of the store, marked REVOKED.
 
     A task a poller is already dispatching is revoked in the workers instead.
+    With filter options instead of a TASK_ID: every scheduled task they select,
+    counted first and confirmed (--yes: without asking; --dry-run: only count).
     """
     app = ctx.obj.app
     store = _load(ctx)[1]
+    flt = _bulk_filter(store, fields)
+    if flt is not None:
+        if task_id or key:
+            raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
+        return _bulk(store, flt, "cancel", dry_run, yes, lambda progress: browse.cancel(app, flt, progress))
     task_id = _task_id_of(store, task_id, key)
     with _store_errors():
         if key is not None:
             store.release_key(key, task_id)
-        outcome = cancel_scheduled(app, [task_id])[task_id]
-        if outcome is Change.IN_FLIGHT:
-            app.control.revoke(task_id)
+        outcome = cancel_or_revoke(app, [task_id])[task_id]
     if outcome is Change.UNKNOWN:
         raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
                                    "or cancelled)")
     click.echo(f"cancelled {task_id}" if outcome is Change.DONE
                else f"{task_id} is being dispatched: revoke sent to the workers")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.argument("task_id", required=False)
+@click.option("--key", help="The task scheduled under this replace-by-key key (delayed_key header).")
+@click.option("--eta", help="The new due time (ISO 8601, ms since the epoch, or now+10m).")
+@click.option("--shift", help="Move by this much: 3600, 90m, -1h, 2d.")
+@_filter_options
+@click.pass_context
+def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: str | None, shift: str | None,
+               dry_run: bool, yes: bool, **fields) -> None:
+    """Move a scheduled task to a new due time (--eta) or by an amount (--shift).
+
+    With filter options instead of a TASK_ID: every scheduled task they select,
+    counted first and confirmed, as for cancel.
+    """
+    if (eta is None) == (shift is None):
+        raise click.UsageError("give --eta or --shift")
+    store = _load(ctx)[1]
+    with _store_errors():
+        to_ms = parse_when(eta, store.now_ms()) if eta else None
+        shift_ms = parse_seconds(shift) * 1000 if shift else None
+    flt = _bulk_filter(store, fields)
+    if flt is not None:
+        if task_id or key:
+            raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
+        return _bulk(store, flt, "reschedule", dry_run, yes, lambda progress: browse.reschedule(
+            store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
+    task_id = _task_id_of(store, task_id, key)
+    with _store_errors():
+        info = store.get(task_id)
+        if info is None or info["due_ms"] is None:
+            raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already "
+                                       "dispatched, or cancelled)")
+        due_ms = store.reschedule(task_id, to_ms if to_ms is not None else info["due_ms"] + shift_ms)
+    click.echo(f"{task_id} now due {iso_of(due_ms)}")
 
 
 @delayed.command(cls=CeleryCommand)
@@ -191,7 +284,7 @@ def _store_errors() -> Iterator[None]:
     """An unreachable store or a bad argument is a one-line error, not a traceback."""
     try:
         yield
-    except (StoreUnavailable, ValueError) as exc:
+    except (StoreUnavailable, ValueError, TaskNotScheduled, TaskInFlight) as exc:
         raise click.ClickException(str(exc)) from None
 
 

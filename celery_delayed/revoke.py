@@ -68,6 +68,16 @@ def cancel_scheduled(app: Celery, task_ids: list[str], reason: str = "revoked") 
     return outcomes
 
 
+def cancel_or_revoke(app: Celery, task_ids: list[str]) -> dict[str, Change]:
+    """:func:`cancel_scheduled`, then Celery's revoke for the tasks a poller is already dispatching
+    (IN_FLIGHT), so the workers drop them instead: what an operator's cancel means."""
+    outcomes = cancel_scheduled(app, task_ids)
+    dispatching = [task_id for task_id, outcome in outcomes.items() if outcome is Change.IN_FLIGHT]
+    if dispatching:
+        app.control.revoke(dispatching)
+    return outcomes
+
+
 def record_revoked(app: Celery, task_id: str, envelope: Envelope | None, reason: str,
                    expired: bool = False) -> None:
     """Record a task that will never run as a worker records a revoked one.

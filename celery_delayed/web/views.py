@@ -22,7 +22,7 @@ from ..browse import Filter
 from ..dlq import DeadLetters
 from ..leadership import leaders, make_etcd
 from ..outcomes import Change
-from ..revoke import cancel_scheduled
+from ..revoke import cancel_or_revoke
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -93,9 +93,7 @@ class Views:
 
     def cancel(self, task_id: str) -> dict[str, Any]:
         """Cancel for good, as a revoke does; a task being dispatched is revoked in the workers."""
-        outcome = cancel_scheduled(self.app, [task_id])[task_id]
-        if outcome is Change.IN_FLIGHT:
-            self.app.control.revoke(task_id)
+        outcome = cancel_or_revoke(self.app, [task_id])[task_id]
         if outcome is Change.UNKNOWN:
             outcome.check(task_id, "cancelled")
         return {"task_id": task_id, "outcome": "cancelled" if outcome is Change.DONE else "revoked in the workers"}

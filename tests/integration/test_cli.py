@@ -14,9 +14,9 @@ from celery_delayed.store import DelayedStore
 from .support import ROOT, envelopes, environment
 
 
-def celery(overrides: dict, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+def celery(overrides: dict, *args: str, stdin: str = "", **extra_env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**environment(overrides), **extra_env})
+                          text=True, timeout=60, env={**environment(overrides), **extra_env}, input=stdin)
 
 
 def test_bad_setting_stops_the_poller_with_an_error_naming_it(overrides):

@@ -79,3 +79,46 @@ def test_an_unreachable_store_is_a_one_line_error(overrides):
         assert done.returncode == 1, command
         assert "delayed store at redis://127.0.0.1:1/0 unavailable" in done.stderr, (command, done.stderr)
         assert "Traceback" not in done.stderr, command
+
+
+def test_bulk_cancel_by_filter_counts_asks_and_cancels_only_the_matches(overrides):
+    store = store_of(create_app(**overrides))
+    now = now_ms()
+    store.schedule_many(envelopes(30, "q", now + 120_000, prefix="soon", task="app.report"))
+    store.schedule_many(envelopes(20, "q", now + 3_600_000, prefix="late", task="app.report"))
+    store.schedule_many(envelopes(10, "q", now + 120_000, prefix="other", task="app.bill"))
+    selected = ("--task", "app.report", "--due-before", "now+10m")
+
+    done = celery(overrides, "delayed", "cancel", *selected, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "30 scheduled tasks match task=app.report" in done.stdout and "nothing changed" in done.stdout
+    done = celery(overrides, "delayed", "cancel", *selected, stdin="n\n")
+    assert done.returncode == 1 and "This will cancel 30 scheduled tasks" in done.stdout
+    assert sum(r["scheduled"] for r in store.counts()) == 60
+
+    done = celery(overrides, "delayed", "cancel", *selected, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "cancelled 30, dispatching 0" in done.stdout
+    assert store.get("soon-0") is None and store.get("late-0") and store.get("other-0")
+    assert create_app(**overrides).AsyncResult("soon-7").state == states.REVOKED
+
+    done = celery(overrides, "delayed", "cancel", "late-0", "--task", "app.report")
+    assert done.returncode == 2 and "not several" in done.stderr
+
+
+def test_reschedule_one_task_or_every_match_of_a_filter(overrides):
+    store = store_of(create_app(**overrides))
+    now = now_ms()
+    store.schedule_many(envelopes(5, "mail", now + 120_000, prefix="mail"))
+    store.schedule_many(envelopes(5, "web", now + 120_000, prefix="web"))
+
+    done = celery(overrides, "delayed", "reschedule", "mail-0", "--eta", "2031-01-02T03:04:05")
+    assert done.returncode == 0, done.stderr
+    assert store.get("mail-0")["eta"] == "2031-01-02T03:04:05.000+00:00"
+    done = celery(overrides, "delayed", "reschedule", "--queue", "web", "--shift", "1h", "-y")
+    assert done.returncode == 0 and "moved 5, dispatching 0" in done.stdout, done.stderr
+    assert store.get("web-3")["due_ms"] == now + 120_000 + 3_600_000 and store.get("mail-3")["due_ms"] == now + 120_000
+    done = celery(overrides, "delayed", "reschedule", "--queue", "web")
+    assert done.returncode == 2 and "give --eta or --shift" in done.stderr
+    done = celery(overrides, "delayed", "reschedule", "nope", "--shift", "10m")
+    assert done.returncode == 1 and "no scheduled task with id nope" in done.stderr

@@ -1,0 +1,38 @@
+"""What operators type for times, shifts and filters (celery_delayed.browse)."""
+from datetime import datetime, timezone
+
+import pytest
+
+from celery_delayed.browse import Filter, parse_seconds, parse_when
+
+NOW = 1_800_000_000_000
+JAN_15 = int(datetime(2027, 1, 15, 8, tzinfo=timezone.utc).timestamp() * 1000)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", None), (None, None), ("now", NOW), ("now+10m", NOW + 600_000), ("now - 2h", NOW - 7_200_000),
+    ("1800000000123", 1_800_000_000_123), ("2027-01-15T08:00:00Z", JAN_15), ("2027-01-15T08:00", JAN_15),
+    ("2027-01-15T09:00+01:00", JAN_15),
+])
+def test_times_are_iso_ms_or_relative_to_now_and_naive_means_utc(text, expected):
+    assert parse_when(text, NOW) == expected
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("+90s", 90), ("-10m", -600), ("2h", 7200), ("1d", 86400)])
+def test_shifts(text, seconds):
+    assert parse_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("bad, message", [("yesterday", "not a time: 'yesterday'"), ("now+soon", "not a duration")])
+def test_what_is_not_a_time_is_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        parse_when(bad, NOW)
+
+
+def test_a_filter_matches_on_every_field_given_and_refuses_an_empty_window():
+    item = {"task": "app.mail", "queue": "mail", "task_id": "order-42"}
+    assert Filter(task="app.mail", queue="mail", id_prefix="order-").matches(item)
+    assert not Filter(task="app.mail", queue="web").matches(item)
+    assert Filter().is_empty() and not Filter(due_after=0).is_empty()
+    with pytest.raises(ValueError, match="empty due window"):
+        Filter(due_after=NOW, due_before=NOW)

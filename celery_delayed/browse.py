@@ -9,6 +9,7 @@ the web view's bulk actions.  Reads and writes go through :class:`.DelayedStore`
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 BATCH = 500
 #: Most entries :func:`find` examines for one page.
 FIND_BUDGET = 5_000
+#: Entries :func:`find` describes (reads the messages of) at a time.
+SCAN_CHUNK = 250
 
 Progress = Callable[[int, int], None]  # (entries examined so far, matches so far)
 
@@ -76,24 +79,31 @@ def find(store: DelayedStore, flt: Filter, limit: int = 50, after: str | None = 
     walk where it stopped (None: nothing is left in the due window).
     """
     cursor = after if after is not None or flt.due_after is None else f"{flt.due_after}:"
+    start_ms, skips = _parse_cursor(cursor, store.settings.partitions)
+    # a partition's first read is about a page (the common case: most entries match), later ones as needed
+    entries = itertools.islice(store.scan(start_ms, skips, chunk=min(budget, max(limit + 1, 64))), budget)
     items: list[dict] = []
-    examined = 0
-    while len(items) < limit and examined < budget:
-        start_ms, skips = _parse_cursor(cursor, store.settings.partitions)
-        page = store.upcoming(min(budget - examined, max(limit - len(items), 100)), cursor)
-        for i, item in enumerate(page.items):
-            if flt.due_before is not None and item["due_ms"] >= flt.due_before:
-                return Found(items, None, examined + i)
+    seen: list[tuple[int, bytes, int]] = []  # every entry examined, for the cursor after the last
+    read, window_ended = 0, False
+    for batch in _batches(entries, SCAN_CHUNK):
+        read += len(batch)
+        if flt.due_before is not None and batch[-1][0] >= flt.due_before:
+            batch, window_ended = [e for e in batch if e[0] < flt.due_before], True
+        for item in store.describe(batch):
+            seen.append((item["due_ms"], b"", item["partition"]))
             if flt.matches(item):
                 items.append(item)
-                if len(items) == limit and i + 1 < len(page.items):  # stop here: the cursor after this one
-                    seen = [(x["due_ms"], b"", x["partition"]) for x in page.items[:i + 1]]
-                    return Found(items, _next_cursor(seen, start_ms, skips), examined + i + 1)
-        examined += len(page.items)
-        cursor = page.cursor
-        if cursor is None:
+                if len(items) == limit:
+                    return Found(items, _next_cursor(seen, start_ms, skips), len(seen))
+        if window_ended:
             break
-    return Found(items, cursor, examined)
+    more = read == budget and not window_ended and seen  # stopped by the budget, not by the end
+    return Found(items, _next_cursor(seen, start_ms, skips) if more else None, len(seen))
+
+
+def _batches(entries: Iterator, size: int) -> Iterator[list]:
+    while batch := list(itertools.islice(entries, size)):
+        yield batch
 
 
 def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .envelope import Envelope
 from .layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
+#: Most buckets one histogram script call counts (about 2 ms of Redis' time).
+HISTOGRAM_BUCKETS = 1_080
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,41 @@ class Inspection:
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
         start_ms, skips = _parse_cursor(after, self.settings.partitions)
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):  # one more than a page: is there a next one?
-            self._read_entries(pipe, p, start_ms, skips.get(p, 0), limit + 1)
-        heads = [[(int(rows[i + 1]), rows[i], p) for i in range(0, len(rows), 2)]
-                 for p, rows in enumerate(self.execute(pipe))]
-        page = list(itertools.islice(heapq.merge(*heads), limit + 1))
+        page = list(itertools.islice(self.scan(start_ms, skips, limit + 1), limit + 1))  # is there a next page?
         cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
         return Page(self.describe(page[:limit]), cursor)
+
+    def scan(self, start_ms: int | None = None, skips: dict[int, int] | None = None, chunk: int = 500
+             ) -> Iterator[tuple[int, bytes, int]]:
+        """Every scheduled entry from ``start_ms`` on (past ``skips[p]`` entries due exactly then in
+        partition ``p``), in due order across partitions: ``(due ms, member, partition)``.
+
+        Each partition is read ``chunk`` entries at a time, its first chunk for all
+        partitions in one pipeline, the next only when the merge reaches it: reading
+        ``n`` entries costs about ``n + partitions * chunk`` entry reads, whatever
+        the store holds.
+        """
+        skips = skips or {}
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            self._read_entries(pipe, p, start_ms, skips.get(p, 0), chunk)
+        firsts = self.execute(pipe)
+        return heapq.merge(*(self._partition_scan(p, rows, start_ms, skips.get(p, 0), chunk)
+                             for p, rows in enumerate(firsts)))
+
+    def _partition_scan(self, p: int, rows: list, at: int | None, skip: int, chunk: int
+                        ) -> Iterator[tuple[int, bytes, int]]:
+        while True:
+            batch = _entries_of(rows, p)
+            yield from batch
+            if len(batch) < chunk:
+                return
+            last = batch[-1][0]
+            skip = (skip if last == at else 0) + sum(1 for due, _, _ in batch if due == last)
+            at = last
+            pipe = self.redis.pipeline(transaction=False)
+            self._read_entries(pipe, p, at, skip, chunk)
+            rows = self.execute(pipe)[0]
 
     def entries(self, partition: int, limit: int, start_ms: int | None = None, skip: int = 0
                 ) -> list[tuple[int, bytes, int]]:
@@ -95,8 +124,7 @@ class Inspection:
         exactly then), in due order: ``(due ms, member, partition)``, for :meth:`describe`."""
         pipe = self.redis.pipeline(transaction=False)
         self._read_entries(pipe, partition, start_ms, skip, limit)
-        rows = self.execute(pipe)[0]
-        return [(int(rows[i + 1]), rows[i], partition) for i in range(0, len(rows), 2)]
+        return _entries_of(self.execute(pipe)[0], partition)
 
     def _read_entries(self, pipe: Any, p: int, start_ms: int | None, skip: int, limit: int) -> None:
         self.scripts["upcoming"](keys=[self.keys.buckets(p)],
@@ -123,17 +151,28 @@ class Inspection:
 
     def histogram(self, from_ms: int, to_ms: int, bin_ms: int) -> list[int]:
         """Tasks due in each ``bin_ms`` wide bin of ``[from_ms, to_ms)``, all partitions summed, counted
-        from the bucket index (no task is read).  ``from_ms`` and ``bin_ms`` must be whole buckets."""
+        from the bucket index (no task is read).  ``from_ms`` and ``bin_ms`` must be whole buckets.
+
+        One script call counts at most :data:`HISTOGRAM_BUCKETS` buckets of one partition, and
+        the calls go one at a time, not pipelined: Redis serves the pollers' claims between
+        them, so a histogram of days never delays a dispatch by more than a call's ~2 ms.
+        """
         width = BUCKET_SECONDS * 1000
         if from_ms % width or bin_ms % width or bin_ms <= 0 or to_ms <= from_ms:
             raise ValueError(f"histogram bins must be whole {BUCKET_SECONDS} s buckets from a bucket's start "
                              f"(from {from_ms} ms, bins of {bin_ms} ms)")
-        to_ms = from_ms + -(-(to_ms - from_ms) // bin_ms) * bin_ms
-        pipe = self.redis.pipeline(transaction=False)
+        bins = -(-(to_ms - from_ms) // bin_ms)
+        per_call = max(1, HISTOGRAM_BUCKETS * width // bin_ms)  # bins one call may count
+        counts = [0] * bins
         for p in range(self.settings.partitions):
-            self.scripts["histogram"](keys=[self.keys.buckets(p)],
-                                      args=[self.keys.bucket_prefix(p), from_ms, to_ms, bin_ms], client=pipe)
-        return [sum(column) for column in zip(*self.execute(pipe))]
+            for first in range(0, bins, per_call):
+                start = from_ms + first * bin_ms
+                span = min(per_call, bins - first)
+                reply = self._call("histogram", [self.keys.buckets(p)],
+                                   [self.keys.bucket_prefix(p), start, start + span * bin_ms, bin_ms])
+                for i, n in enumerate(reply):
+                    counts[first + i] += n
+        return counts
 
     def counts(self) -> list[dict]:
         """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),
@@ -159,6 +198,11 @@ class Inspection:
         for p in range(self.settings.partitions):
             pipe.get(self.keys.fence(p))
         return [int(fence or 0) for fence in self.execute(pipe)]
+
+
+def _entries_of(rows: list, partition: int) -> list[tuple[int, bytes, int]]:
+    """``upcoming.lua``'s reply as ``(due ms, member, partition)`` entries."""
+    return [(int(rows[i + 1]), rows[i], partition) for i in range(0, len(rows), 2)]
 
 
 def _envelope_of(stored: bytes) -> bytes:

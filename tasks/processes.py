@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,6 +89,13 @@ def _signal(pid: int, sig: int) -> None:
         os.killpg(pid, sig)  # the process leads its own session: its group id is its pid
     except ProcessLookupError:
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server a test or benchmark starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str | Callable[[], str],

@@ -8,6 +8,7 @@ newest.  Bulk actions run as :class:`Job` threads whose progress a page polls.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import urllib.request
@@ -27,9 +28,14 @@ from ..revoke import cancel_or_revoke
 if TYPE_CHECKING:
     from celery import Celery
 
+logger = logging.getLogger(__name__)
 MINUTE_MS, HOUR_MS = 60_000, 3_600_000
 #: The load histogram: per minute for the next hour, per hour for the next two days.
 NEAR_BINS, FAR_BINS = 60, 48
+#: Seconds between two readings of the days-ahead histogram.
+FAR_EVERY = 30.0
+#: Seconds between two scrapes of the pollers' metrics.
+SCRAPE_EVERY = 5.0
 #: Bulk jobs kept for their pages (the oldest finished ones are forgotten first).
 KEPT_JOBS = 100
 
@@ -42,8 +48,12 @@ class Views:
         self.store = store_of(app)
         self.letters = DeadLetters(self.store)
         self.jobs = Jobs()
-        self.dispatch = DispatchRate(metrics_urls)
+        # a poller's /metrics also reads the store and Kafka: scraped in the background, every few seconds
+        self._dispatch = Refreshing(DispatchRate(metrics_urls).read, SCRAPE_EVERY) if metrics_urls else None
         self._etcd = None
+        # the days-ahead histogram counts every bucket of two days (~0.5 s of short calls at any store
+        # size): read in the background, at most every FAR_EVERY seconds, shown with its age
+        self._far = Refreshing(lambda: self._histogram(self.store.now_ms(), HOUR_MS, FAR_BINS), FAR_EVERY)
 
     # -- overview ------------------------------------------------------------
     def overview(self) -> dict[str, Any]:
@@ -61,13 +71,12 @@ class Views:
                       led=sum(1 for r in rows if r["poller"]), pollers=len({r["poller"] for r in rows if r["poller"]}))
         return {"now_ms": now_ms, "totals": totals, "partitions": rows, "etcd_error": etcd_error,
                 "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
-                "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
-                              "next_days": self._histogram(now_ms, HOUR_MS, FAR_BINS)},
-                "dispatch": self.dispatch.read()}
+                "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS), "next_days": self._far.get()},
+                "dispatch": self._dispatch.get() if self._dispatch else None}
 
     def _histogram(self, now_ms: int, bin_ms: int, bins: int) -> dict[str, Any]:
         start = now_ms - now_ms % bin_ms
-        return {"start_ms": start, "bin_s": bin_ms // 1000,
+        return {"start_ms": start, "bin_s": bin_ms // 1000, "as_of_ms": now_ms,
                 "counts": self.store.histogram(start, start + bins * bin_ms, bin_ms)}
 
     def _leaders(self) -> tuple[dict[int, dict], str | None]:
@@ -143,6 +152,48 @@ class Views:
         return {"purged": purged, "unknown": len(task_ids) - purged}
 
 
+class Refreshing:
+    """A value computed again in a background thread once older than ``every`` seconds; until the new
+    one is ready the last is served (only reads before the first value wait).  A failed computation
+    is logged and the last value kept; with no value yet, readers get its error."""
+
+    def __init__(self, compute: Callable[[], Any], every: float) -> None:
+        self._compute, self._every = compute, every
+        self._value: Any = None
+        self._error: Exception | None = None
+        self._at = 0.0
+        self._lock = threading.Lock()
+        self._busy = False
+        self.ready = threading.Event()
+        self._refresh()
+
+    def get(self) -> Any:
+        self.ready.wait()
+        if time.monotonic() - self._at > self._every:
+            self._refresh()
+        if self._value is None:  # never computed: the reader sees why
+            raise self._error
+        return self._value
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if self._busy:
+                return
+            self._busy = True
+        threading.Thread(target=self._run, name="web-refresh", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._value, self._at = self._compute(), time.monotonic()
+        except Exception as exc:
+            self._error = exc
+            logger.warning("web view: recomputing a cached view failed: %r", exc)
+        finally:
+            with self._lock:
+                self._busy = False
+            self.ready.set()
+
+
 @dataclass
 class Job:
     """A bulk action running in a thread of the web process: its progress, then its result."""
@@ -209,9 +260,7 @@ class DispatchRate:
         self._last: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
-    def read(self) -> dict[str, Any] | None:
-        if not self.urls:
-            return None
+    def read(self) -> dict[str, Any]:
         dispatched, buckets, errors = 0.0, {}, []
         for url in self.urls:
             try:

@@ -27,6 +27,7 @@ from celery_delayed.dlq import DeadLetter, DeadLetters
 from celery_delayed.web.server import make_app
 from celery_delayed.web.views import Views
 from tasks import create_app
+from tasks.processes import free_port, wait_for
 
 from .support import envelopes
 
@@ -38,7 +39,7 @@ MINUTE = 60_000
 class Server:
     """The web app on a free loopback port, in a thread with its own event loop."""
 
-    def __init__(self, app, **auth) -> None:
+    def __init__(self, app, metrics_urls: tuple[str, ...] = (), **auth) -> None:
         self.app = app
         sockets = tornado.netutil.bind_sockets(0, "127.0.0.1")
         self.url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}"
@@ -47,7 +48,7 @@ class Server:
         def serve() -> None:
             asyncio.set_event_loop(asyncio.new_event_loop())
             self.loop = tornado.ioloop.IOLoop.current()
-            tornado.httpserver.HTTPServer(make_app(Views(app), **auth)).add_sockets(sockets)
+            tornado.httpserver.HTTPServer(make_app(Views(app, metrics_urls), **auth)).add_sockets(sockets)
             ready.set()
             self.loop.start()
 
@@ -204,6 +205,31 @@ def test_bulk_reschedule_by_filter_shifts_every_match(app, server):
                                             "confirm": job["id"]})
     assert status == 202 and _finished(client, job["id"])["result"] == {"moved": 60, "dispatching": 0}
     assert store.get("web-5-3")["due_ms"] == now + 8 * MINUTE and store.get("mail-5-3")["due_ms"] == now + 6 * MINUTE
+
+
+def test_overview_shows_each_partitions_leader_and_the_pollers_dispatch_rate(app, processes):
+    metrics_port = free_port()
+    processes.start("poller", "delayed", "poller", "--metrics-port", str(metrics_port))
+    server = Server(app, metrics_urls=(f"http://127.0.0.1:{metrics_port}/metrics",))
+    try:
+        store_of(app).schedule_many(envelopes(50, "q", int(time.time() * 1000), prefix="due"))
+        client = Client(server.url)
+
+        def led_and_dispatched() -> dict | None:
+            overview = client.json("/api/overview")[1]
+            dispatch = overview["dispatch"] or {}
+            done = overview["totals"]["led"] == 4 and dispatch.get("dispatched", 0) >= 50
+            return overview if done else None
+
+        overview = wait_for(led_and_dispatched, 60, "the poller to lead all 4 partitions and dispatch 50 tasks")
+        assert overview["totals"]["pollers"] == 1 and overview["totals"]["scheduled"] == 0
+        assert all(row["poller"] and 0 < row["lease_ttl_s"] <= 2 for row in overview["partitions"])
+        assert overview["dispatch"]["errors"] == [] and overview["dispatch"]["lag_p99_s"] is not None
+        page = client.request("/")[1]
+        assert "dispatch rate" in page and overview["partitions"][0]["poller"] in page
+    finally:
+        server.stop()
+
 
 
 def _finished(client: Client, job_id: str) -> dict:

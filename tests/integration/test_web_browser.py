@@ -3,7 +3,6 @@ Chromium driven by Selenium: open the overview, search a task id, cancel it from
 Screenshots of the overview and upcoming pages are saved as PNGs beside the test's logs."""
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -12,15 +11,9 @@ from selenium.webdriver.common.by import By
 from celery_delayed import store_of
 from tasks import create_app
 from tasks.browser import headless_chromium
-from tasks.processes import wait_for
+from tasks.processes import free_port, wait_for
 
 from .support import envelopes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_search_a_task_cancel_it_from_its_page_and_see_it_gone(overrides, processes, tmp_path):
@@ -29,7 +22,7 @@ def test_search_a_task_cancel_it_from_its_page_and_see_it_gone(overrides, proces
     now = int(time.time() * 1000)
     for k in range(30):
         store.schedule_many(envelopes(40, "mail", now + 60_000 + k * 97_000, prefix=f"mail-{k}", task="app.mail"))
-    port = _free_port()
+    port = free_port()
     processes.start("web", "delayed", "web", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
     wait_for(lambda: _answers(base), 60, "celery delayed web to answer")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: Entries one bulk batch reads from a partition.
 BATCH = 500
 #: Most entries :func:`find` examines for one page.
-FIND_BUDGET = 5_000
+FIND_BUDGET = 3_000
 #: Entries :func:`find` describes (reads the messages of) at a time.
 SCAN_CHUNK = 250
 

@@ -135,11 +135,17 @@ class Inspection:
         """What an operator sees of each entry still stored: ``task_id``, ``due_ms``, ``eta``,
         ``partition``, ``task``, ``queue``, and Celery's ``argsrepr``, ``kwargsrepr`` and ``retries``
         headers (one pipelined read; a task dispatched meanwhile is left out)."""
-        pipe = self.redis.pipeline(transaction=False)
+        by_partition: dict[int, list[bytes]] = {}
         for _, member, p in entries:
-            pipe.hget(self.keys.msgs(p), member)
+            by_partition.setdefault(p, []).append(member)
+        pipe = self.redis.pipeline(transaction=False)
+        for p, members in by_partition.items():  # one HMGET per partition: a page is a few commands
+            pipe.hmget(self.keys.msgs(p), members)
+        found = {(p, member): stored for (p, members), replies in zip(by_partition.items(), self.execute(pipe))
+                 for member, stored in zip(members, replies)}
         items = []
-        for (due_ms, member, p), stored in zip(entries, self.execute(pipe)):
+        for due_ms, member, p in entries:
+            stored = found[p, member]
             if stored is not None:
                 envelope = Envelope.decode(_envelope_of(stored))
                 headers = envelope.headers

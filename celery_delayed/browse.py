@@ -195,6 +195,21 @@ def reschedule(store: DelayedStore, flt: Filter, *, shift_ms: int | None = None,
     return totals
 
 
+def move(store: DelayedStore, task_id: str, *, to_ms: int | None = None, shift_ms: int | None = None) -> int:
+    """Reschedule one task to ``to_ms`` or by ``shift_ms`` from its due time; returns the new due ms.
+    Raises :class:`.TaskNotScheduled` or :class:`.TaskInFlight` as :meth:`.DelayedStore.reschedule` does."""
+    if (to_ms is None) == (shift_ms is None):
+        raise ValueError("give a new due time or a shift, not both")
+    if to_ms is None:
+        info = store.get(task_id)
+        if info is None:
+            Change.UNKNOWN.check(task_id, "rescheduled")  # raises
+        if info["due_ms"] is None:  # claimed: in flight
+            Change.IN_FLIGHT.check(task_id, "rescheduled")
+        to_ms = info["due_ms"] + shift_ms
+    return store.reschedule(task_id, to_ms)
+
+
 def parse_when(text: str | None, now_ms: int) -> int | None:
     """A time an operator typed, in ms since the epoch: ISO 8601 (naive = UTC, as Celery reads an ETA;
     a browser's datetime-local field is one), ms since the epoch, or ``now``, ``now+10m``, ``now-2h``

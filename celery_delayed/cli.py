@@ -251,11 +251,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
             store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
     task_id = _task_id_of(store, task_id, key)
     with _store_errors():
-        info = store.get(task_id)
-        if info is None or info["due_ms"] is None:
-            raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already "
-                                       "dispatched, or cancelled)")
-        due_ms = store.reschedule(task_id, to_ms if to_ms is not None else info["due_ms"] + shift_ms)
+        due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(f"{task_id} now due {iso_of(due_ms)}")
 
 

@@ -33,6 +33,14 @@ HERE = Path(__file__).parent
 MAX_ROWS = 500
 
 
+class Problem(tornado.web.HTTPError):
+    """A refusal whose message the client sees (JSON or page), kept out of the HTTP status line."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status)
+        self.message = message
+
+
 class Base(tornado.web.RequestHandler):
     """Authentication, XSRF, errors, and one answer as a page or as JSON under ``/api``."""
 
@@ -58,7 +66,7 @@ class Base(tornado.web.RequestHandler):
         if (self._basic or self._token) and not (self._by_token() or self._by_password()):
             if self._basic:
                 self.set_header("WWW-Authenticate", 'Basic realm="celery-delayed"')
-            raise tornado.web.HTTPError(401, reason="credentials required")
+            raise Problem(401, "credentials required")
         if not self.api:
             self.xsrf_token  # sets the XSRF cookie on every page, so each page's forms can be posted
 
@@ -66,21 +74,23 @@ class Base(tornado.web.RequestHandler):
         """A bearer token is never attached by a browser on its own: no XSRF check for it."""
         if not self._by_token():
             if (self._basic or self._token) and not self._by_password():
-                raise tornado.web.HTTPError(401, reason="credentials required")
+                raise Problem(401, "credentials required")
             super().check_xsrf_cookie()
 
     async def call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run a store call in the pool, turning the store's refusals into HTTP errors."""
         try:
             return await IOLoop.current().run_in_executor(self.settings["pool"], lambda: fn(*args, **kwargs))
+        except tornado.web.HTTPError:
+            raise
         except TaskNotScheduled as exc:
-            raise tornado.web.HTTPError(404, reason=str(exc)) from None
+            raise Problem(404, str(exc)) from None
         except TaskInFlight as exc:
-            raise tornado.web.HTTPError(409, reason=str(exc)) from None
+            raise Problem(409, str(exc)) from None
         except StoreUnavailable as exc:
-            raise tornado.web.HTTPError(503, reason=f"store unavailable: {exc}") from None
+            raise Problem(503, f"store unavailable: {exc}") from None
         except ValueError as exc:
-            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+            raise Problem(400, str(exc)) from None
 
     def answer(self, template: str, data: dict[str, Any], status: int = 200, **page: Any) -> None:
         """``data`` as JSON under /api, else rendered by ``template`` (with the page-only ``page`` values)."""
@@ -102,8 +112,9 @@ class Base(tornado.web.RequestHandler):
         """The error as JSON or a page; a 4xx of Tornado's own (XSRF) says what was wrong, not only 'Forbidden'."""
         message = self._reason
         error = kwargs.get("exc_info", (None, None))[1]
-        if isinstance(error, tornado.web.HTTPError) and error.reason is None and error.log_message \
-                and status_code < 500:
+        if isinstance(error, Problem):
+            message = error.message
+        elif isinstance(error, tornado.web.HTTPError) and error.log_message and status_code < 500:
             message = error.log_message % error.args
         if self.api:
             self.finish({"error": message, "status": status_code})
@@ -121,13 +132,13 @@ class Base(tornado.web.RequestHandler):
                           due_after=parse_when(self.arg("due_after"), now_ms),
                           due_before=parse_when(self.arg("due_before"), now_ms))
         except ValueError as exc:
-            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+            raise Problem(400, str(exc)) from None
 
     def limit(self, default: int) -> int:
         try:
             return max(1, min(MAX_ROWS, int(self.get_argument("limit", str(default)))))
         except ValueError:
-            raise tornado.web.HTTPError(400, reason="limit must be a number") from None
+            raise Problem(400, "limit must be a number") from None
 
     def get_template_namespace(self) -> dict[str, Any]:
         return {**super().get_template_namespace(), "utc": _utc, "local": _local, "rel": _relative,
@@ -155,7 +166,7 @@ class Task(Base):
         info = await self.call(self.views.task, task_id)
         if info is None:
             dead = await self.call(self.views.letters.holds, task_id)
-            raise tornado.web.HTTPError(404, reason=f"task {task_id} is not in the store (never scheduled, "
+            raise Problem(404, f"task {task_id} is not in the store (never scheduled, "
                                         "dispatched, or cancelled)" + ("; it is a dead letter" if dead else ""))
         self.answer("task.html", info)
 
@@ -166,24 +177,10 @@ class Task(Base):
         if action == "run-now":
             data = await self.call(self.views.run_now, task_id)
         elif action == "reschedule":
-            now_ms = await self.call(self.views.store.now_ms)
-            due, shift = self.arg("eta"), self.arg("shift")
-            if (due is None) == (shift is None):
-                raise tornado.web.HTTPError(400, reason="give eta (a time) or shift (seconds), not both")
-            try:
-                due_ms = parse_when(due, now_ms) if due else self._due(task_id) + parse_seconds(shift) * 1000
-            except ValueError as exc:
-                raise tornado.web.HTTPError(400, reason=str(exc)) from None
-            data = await self.call(self.views.reschedule, task_id, due_ms)
+            data = await self.call(self.views.reschedule, task_id, self.arg("eta"), self.arg("shift"))
         else:
-            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+            raise Problem(404, f"no action {action!r}")
         self.done(data, f"/tasks/{tornado.escape.url_escape(task_id, plus=False)}")
-
-    def _due(self, task_id: str) -> int:
-        info = self.views.store.get(task_id)
-        if info is None or info["due_ms"] is None:
-            raise tornado.web.HTTPError(404, reason=f"no scheduled task with id {task_id}")
-        return info["due_ms"]
 
 
 class Bulk(Base):
@@ -195,9 +192,9 @@ class Bulk(Base):
             shift_ms = parse_seconds(shift) * 1000 if shift else None
             to_ms = parse_when(eta, now_ms)
         except ValueError as exc:
-            raise tornado.web.HTTPError(400, reason=str(exc)) from None
+            raise Problem(400, str(exc)) from None
         if action == "reschedule" and (shift_ms is None) == (to_ms is None):
-            raise tornado.web.HTTPError(400, reason="reschedule needs shift (seconds) or eta (a time), not both")
+            raise Problem(400, "reschedule needs shift (seconds) or eta (a time), not both")
         job: Job = await self.call(self.views.bulk, action, self.filter(now_ms), shift_ms, to_ms, self.arg("confirm"))
         if self.api:
             return self.answer("", job.describe(), status=202)
@@ -208,7 +205,7 @@ class JobPage(Base):
     def get(self, job_id: str) -> None:
         job = self.views.jobs.get(job_id)
         if job is None:
-            raise tornado.web.HTTPError(404, reason=f"no job {job_id} (this process did not start it, or forgot it)")
+            raise Problem(404, f"no job {job_id} (this process did not start it, or forgot it)")
         self.answer("job.html", job.describe())
 
 
@@ -220,10 +217,10 @@ class DeadLetterList(Base):
     async def post(self, action: str) -> None:
         """Requeue or purge every dead letter of the filter (task, reason): all that match, at once."""
         if action not in ("requeue", "purge"):
-            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+            raise Problem(404, f"no action {action!r}")
         ids = await self.call(self.views.letters.matching, self.arg("task"), self.arg("reason"))
         if self.get_argument("confirm", "") != str(len(ids)):
-            raise tornado.web.HTTPError(400, reason=f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
+            raise Problem(400, f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
         data = await self.call(getattr(self.views, action), ids)
         self.done(data, "/dead-letters")
 
@@ -232,15 +229,15 @@ class DeadLetter(Base):
     async def get(self, task_id: str) -> None:
         info = await self.call(self.views.dead_letter, task_id)
         if info is None:
-            raise tornado.web.HTTPError(404, reason=f"no dead letter with task id {task_id}")
+            raise Problem(404, f"no dead letter with task id {task_id}")
         self.answer("dead_letter.html", info)
 
     async def post(self, task_id: str, action: str) -> None:
         if action not in ("requeue", "purge"):
-            raise tornado.web.HTTPError(404, reason=f"no action {action!r}")
+            raise Problem(404, f"no action {action!r}")
         data = await self.call(getattr(self.views, action), [task_id])
         if data.get("unknown"):
-            raise tornado.web.HTTPError(404, reason=f"no dead letter with task id {task_id}")
+            raise Problem(404, f"no dead letter with task id {task_id}")
         self.done(data, "/dead-letters")
 
 

@@ -94,7 +94,7 @@ class Views:
                 "cursor": page.cursor, "examined": page.examined}
 
     def task(self, task_id: str) -> dict[str, Any] | None:
-        """``delayed show``'s view of a task, or None; says whether it is a dead letter instead."""
+        """``delayed show``'s view of a task (and Redis' time), or None."""
         info = self.store.get(task_id)
         if info is not None:
             info["now_ms"] = self.store.now_ms()
@@ -107,11 +107,17 @@ class Views:
             outcome.check(task_id, "cancelled")
         return {"task_id": task_id, "outcome": "cancelled" if outcome is Change.DONE else "revoked in the workers"}
 
-    def reschedule(self, task_id: str, due_ms: int) -> dict[str, Any]:
-        return {"task_id": task_id, "due_ms": self.store.reschedule(task_id, due_ms)}
+    def reschedule(self, task_id: str, eta: str | None, shift: str | None) -> dict[str, Any]:
+        """Move a task to ``eta`` (a time as :func:`.browse.parse_when` reads it) or by ``shift``."""
+        if (eta is None) == (shift is None):
+            raise ValueError("give eta (a time) or shift (seconds, 90m, -1h), not both")
+        to_ms = browse.parse_when(eta, self.store.now_ms())
+        shift_ms = browse.parse_seconds(shift) * 1000 if shift else None
+        due_ms = browse.move(self.store, task_id, to_ms=to_ms, shift_ms=shift_ms)
+        return {"task_id": task_id, "due_ms": due_ms}
 
     def run_now(self, task_id: str) -> dict[str, Any]:
-        return self.reschedule(task_id, self.store.now_ms())
+        return {"task_id": task_id, "due_ms": browse.move(self.store, task_id, to_ms=self.store.now_ms())}
 
     # -- bulk ------------------------------------------------------------------
     def bulk(self, action: str, flt: Filter, shift_ms: int | None = None, to_ms: int | None = None,

@@ -295,3 +295,21 @@ def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(a
         assert status == 202
     finally:
         server.stop()
+
+
+def test_what_users_wrote_is_shown_escaped_and_odd_ids_get_clean_errors(app, server):
+    store = store_of(app)
+    due = int(time.time() * 1000) + MINUTE
+    store.schedule_many(envelopes(1, "q", due, prefix="<script>alert(1)</script>", task="<b>evil</b>"))
+    client = Client(server.url)
+    page = client.request("/upcoming")[1]
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;-0" in page
+    assert "<b>evil</b>" not in page and "&lt;b&gt;evil&lt;/b&gt;" in page
+    status, page = client.request("/tasks/%3Cscript%3Ealert(1)%3C%2Fscript%3E-0")
+    assert status == 200 and "<script>alert(1)" not in page
+    for odd in ("a%0D%0ASet-Cookie:%20x=1", "%E2%9C%93%20space", "nope%25"):  # CR LF, unicode, percent
+        status, error = client.json(f"/api/tasks/{odd}")
+        assert status == 404 and "not in the store" in error["error"], (odd, status, error)
+    status, error = client.json("/api/upcoming?after=garbage")
+    assert status == 400 and "not a cursor" in error["error"]
+    assert client.json("/api/upcoming?limit=100000")[0] == 200  # capped, not refused

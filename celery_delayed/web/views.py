@@ -91,7 +91,7 @@ class Views:
     def upcoming(self, flt: Filter, after: str | None, limit: int) -> dict[str, Any]:
         page = browse.find(self.store, flt, limit, after)
         return {"now_ms": self.store.now_ms(), "filter": flt.as_dict(), "items": page.items,
-                "cursor": page.cursor, "examined": page.examined}
+                "cursor": page.cursor, "examined": page.examined, "limit": limit}
 
     def task(self, task_id: str) -> dict[str, Any] | None:
         """``delayed show``'s view of a task (and Redis' time), or None."""

@@ -26,7 +26,8 @@ Systems, each from the same demo servers and Celery settings (``task_acks_late``
     python -m bench.compare [--quick] [--tasks 100000 ...] [--window 600]
 
 Writes bench/results/compare-<time>.json, .md and .png (worker RSS over time, lag CDF); a full
-run also as bench/results/compare-latest.*, which the README shows.
+run also as bench/results/compare-latest[-<systems>].*, which the README shows, and redraws
+bench/results/compare-on-time.png (tasks on time against N, from every compare-latest*.json).
 """
 from __future__ import annotations
 
@@ -343,6 +344,33 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def plot_on_time(path: Path) -> Path | None:
+    """Tasks started on time (share of N) against N, a line per system, from every full run kept as
+    ``compare-latest*.json`` (runs of other sizes or systems add their points)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points: dict[str, dict[int, float]] = {}
+    for kept in sorted(RESULTS.glob("compare-latest*.json")):
+        for r in json.loads(kept.read_text())["results"]:
+            points.setdefault(r["system"], {})[r["tasks"]] = 100 * r["on_time"] / r["tasks"]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for system, by_n in sorted(points.items()):
+        sizes = sorted(by_n)
+        ax.plot(sizes, [by_n[n] for n in sizes], marker="o", label=system)
+    ax.set(xscale="log", xlabel="scheduled tasks N (log)", ylabel="% started within 1 s of due", ylim=(0, 101),
+           title="tasks on time against N (worker restarted halfway)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -358,7 +386,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.tasks, opts.window, opts.lead, opts.grace, opts.visibility, opts.cron = [1500], 12.0, 8.0, 8.0, 5, 5.0
-    opts.restart_timeout = max(60.0, max(opts.tasks) / 200)
+    opts.restart_timeout = min(900.0, max(60.0, max(opts.tasks) / 200))  # None in the table past it
     return opts
 
 
@@ -395,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             latest = "compare-latest" + "".join(f"-{name}" for name in opts.only or ())
             for suffix in (".md", ".json", ".png"):
                 shutil.copyfile(base.with_suffix(suffix), RESULTS / f"{latest}{suffix}")
+            plot_on_time(RESULTS / "compare-on-time.png")
         console.print(f"results: {base}.md, .json, .png")
         problems = [r for r in results if r["system"] == "celery-delayed" and (r["lost"] or r["duplicated"])]
         return 1 if problems else 0

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .inspection import Page, _next_cursor, _parse_cursor
-from .layout import due_ms_of, task_id_of
+from .inspection import Page, Position, cursor_after, parse_cursor
+from .layout import due_ms_of, member_of
 from .outcomes import Change
 from .revoke import cancel_or_revoke
 
@@ -75,30 +75,30 @@ def find(store: DelayedStore, flt: Filter, limit: int = 50, after: str | None = 
          budget: int = FIND_BUDGET) -> Found:
     """The next ``limit`` tasks matching ``flt`` in due order, examining at most ``budget`` entries.
 
-    ``after``: the cursor of the previous page.  The cursor returned continues the
-    walk where it stopped (None: nothing is left in the due window).
+    ``after``: the cursor of the previous page (the window's start bounds it).  The
+    cursor returned continues the walk where it stopped (None: nothing is left in
+    the due window).
     """
-    cursor = after if after is not None or flt.due_after is None else f"{flt.due_after}:"
-    start_ms, skips = _parse_cursor(cursor, store.settings.partitions)
+    position = parse_cursor(after)
+    if flt.due_after is not None and (position[0] is None or position[0] < flt.due_after):
+        position = (flt.due_after, b"")
     # a partition's first read is about a page (the common case: most entries match), later ones as needed
-    entries = itertools.islice(store.scan(start_ms, skips, chunk=min(budget, max(limit + 1, 64))), budget)
+    entries = itertools.islice(store.scan(position, chunk=min(budget, max(limit + 1, 64))), budget)
     items: list[dict] = []
-    seen: list[tuple[int, bytes, int]] = []  # every entry examined, for the cursor after the last
-    read, window_ended = 0, False
+    examined = 0
     for batch in _batches(entries, SCAN_CHUNK):
-        read += len(batch)
-        if flt.due_before is not None and batch[-1][0] >= flt.due_before:
-            batch, window_ended = [e for e in batch if e[0] < flt.due_before], True
-        for item in store.describe(batch):
-            seen.append((item["due_ms"], b"", item["partition"]))
+        inside = [e for e in batch if flt.due_before is None or e[0] < flt.due_before]
+        examined += len(inside)
+        for item in store.describe(inside):
             if flt.matches(item):
                 items.append(item)
                 if len(items) == limit:
-                    return Found(items, _next_cursor(seen, start_ms, skips), len(seen))
-        if window_ended:
-            break
-    more = read == budget and not window_ended and seen  # stopped by the budget, not by the end
-    return Found(items, _next_cursor(seen, start_ms, skips) if more else None, len(seen))
+                    return Found(items, cursor_after((item["due_ms"], member_of(item["task_id"]), 0)), examined)
+        if len(inside) < len(batch):  # the window ends here
+            return Found(items, None, examined)
+        last = batch[-1]
+    more = examined == budget  # stopped by the budget, not by the end of the schedule
+    return Found(items, cursor_after(last) if more else None, examined)
 
 
 def _batches(entries: Iterator, size: int) -> Iterator[list]:
@@ -107,18 +107,18 @@ def _batches(entries: Iterator, size: int) -> Iterator[list]:
 
 
 def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,
-         act: Callable[[list[dict]], set[str]] | None = None) -> Iterator[list[dict]]:
+         act: Callable[[list[dict]], None] | None = None) -> Iterator[list[dict]]:
     """Every task matching ``flt``, partition by partition, in batches of up to :data:`BATCH` entries.
 
-    ``act`` (bulk actions) is given each batch's matches and returns the ids of those
-    that left their place (cancelled, moved, dispatched meanwhile): the walk goes on
-    after the entries that stayed, so nothing after a removed entry is skipped.
+    ``act`` (bulk actions) is given each batch's matches before the next batch is
+    read, which starts after the last entry read (its due time and id): entries
+    removed or added before it meanwhile, by ``act`` or by anyone, shift nothing.
     """
     examined = matched = 0
     for p in range(store.settings.partitions):
-        start_ms, skip = flt.due_after, 0  # read from start_ms on, past the first `skip` entries due then
+        position: Position = (flt.due_after, b"")
         while True:
-            read = store.entries(p, BATCH, start_ms, skip)
+            read = store.entries(p, BATCH, position)
             entries = [e for e in read if flt.due_before is None or e[0] < flt.due_before]
             if not entries:
                 break
@@ -126,14 +126,12 @@ def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,
             matches = [item for item in store.describe(entries) if flt.matches(item)]
             matched += len(matches)
             yield matches
-            gone = act(matches) if act else set()
-            last = entries[-1][0]
-            stayed_at_last = sum(1 for e, task_id in zip(entries, _ids(entries)) if e[0] == last and task_id not in gone)
-            skip = (skip if last == start_ms else 0) + stayed_at_last
-            start_ms = last
+            if act:
+                act(matches)
+            position = entries[-1][:2]
             if progress:
                 progress(examined, matched)
-            if len(read) < BATCH or len(entries) < len(read):
+            if len(entries) < BATCH:
                 break
 
 
@@ -148,12 +146,10 @@ def cancel(app: Celery, flt: Filter, progress: Progress | None = None) -> dict[s
     (a Celery revoke is sent to the workers for those)."""
     totals = {"cancelled": 0, "dispatching": 0}
 
-    def act(matches: list[dict]) -> set[str]:
-        ids = [item["task_id"] for item in matches]
-        outcomes = cancel_or_revoke(app, ids)
+    def act(matches: list[dict]) -> None:
+        outcomes = cancel_or_revoke(app, [item["task_id"] for item in matches])
         totals["cancelled"] += sum(outcome is Change.DONE for outcome in outcomes.values())
         totals["dispatching"] += sum(outcome is Change.IN_FLIGHT for outcome in outcomes.values())
-        return set(ids)  # cancelled, or no longer in a bucket (claimed, dispatched) either way
 
     for _ in walk(app.amqp.delayed_store, flt, progress, act):
         pass
@@ -174,7 +170,7 @@ def reschedule(store: DelayedStore, flt: Filter, *, shift_ms: int | None = None,
     ahead: dict[str, int] = {}  # ids shifted in this partition -> their new due ms, until the walk passes it
     partition = [0]
 
-    def act(matches: list[dict]) -> set[str]:
+    def act(matches: list[dict]) -> None:
         if matches and matches[0]["partition"] != partition[0]:
             partition[0] = matches[0]["partition"]
             ahead.clear()
@@ -185,10 +181,9 @@ def reschedule(store: DelayedStore, flt: Filter, *, shift_ms: int | None = None,
         totals["dispatching"] += sum(outcome is Change.IN_FLIGHT for outcome in outcomes.values())
         if shift_ms is not None:
             ahead.update((task_id, due) for task_id, due in moves if outcomes[task_id] is Change.DONE)
-            if matches:
+            if matches:  # the walk has passed these (an entry moved to the last due time may still come)
                 for task_id in [t for t, due in ahead.items() if due < matches[-1]["due_ms"]]:
                     del ahead[task_id]
-        return {task_id for task_id, _ in moves}
 
     for _ in walk(store, flt, progress, act):
         pass
@@ -239,5 +234,3 @@ def parse_seconds(text: str) -> int:
         raise ValueError(f"not a duration: {text!r} (give seconds, or a number with s, m, h or d)") from None
 
 
-def _ids(entries: list[tuple[int, bytes, int]]) -> list[str]:
-    return [task_id_of(member) for _, member, _ in entries]

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from .scripts import Scripts
     from .settings import Settings
 
+#: Where a read of the schedule goes on from: after the task due at this ms with this stored
+#: id (None, b"": from the first task; (due, b""): from the first task due then or later).
+Position = tuple[int | None, bytes]
+
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
 #: Most buckets one histogram script call counts (about 2 ms of Redis' time).
@@ -74,62 +78,53 @@ class Inspection:
         """The next ``limit`` scheduled tasks across all partitions, in due order.
 
         Each partition's next ``limit`` entries are read in one pipeline and merged
-        (ties in due time are ordered by task id, as within a sorted set).
-        ``after`` is the ``cursor`` of the previous page.  Items: ``task_id``,
-        ``due_ms``, ``eta``, ``partition``, ``task``, ``queue``; a task dispatched
+        (ties in due time are ordered by stored task id, as within a sorted set).
+        ``after`` is the ``cursor`` of the previous page: the due time and id of
+        its last task, so a page goes on after it even when tasks before it were
+        removed or added since.  Items: see :meth:`describe`; a task dispatched
         between the two reads is left out.
         """
         if not 1 <= limit <= MAX_PAGE:
             raise ValueError(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
-        start_ms, skips = _parse_cursor(after, self.settings.partitions)
-        page = list(itertools.islice(self.scan(start_ms, skips, limit + 1), limit + 1))  # is there a next page?
-        cursor = _next_cursor(page[:limit], start_ms, skips) if len(page) > limit else None
-        return Page(self.describe(page[:limit]), cursor)
+        page = list(itertools.islice(self.scan(parse_cursor(after), limit + 1), limit + 1))  # a next page?
+        return Page(self.describe(page[:limit]), cursor_after(page[limit - 1]) if len(page) > limit else None)
 
-    def scan(self, start_ms: int | None = None, skips: dict[int, int] | None = None, chunk: int = 500
-             ) -> Iterator[tuple[int, bytes, int]]:
-        """Every scheduled entry from ``start_ms`` on (past ``skips[p]`` entries due exactly then in
-        partition ``p``), in due order across partitions: ``(due ms, member, partition)``.
+    def scan(self, position: Position = (None, b""), chunk: int = 500) -> Iterator[tuple[int, bytes, int]]:
+        """Every scheduled entry after ``position`` (a due ms and stored id, see :func:`parse_cursor`;
+        ``(None, b"")``: from the first), in due order across partitions: ``(due ms, member, partition)``.
 
         Each partition is read ``chunk`` entries at a time, its first chunk for all
         partitions in one pipeline, the next only when the merge reaches it: reading
         ``n`` entries costs about ``n + partitions * chunk`` entry reads, whatever
         the store holds.
         """
-        skips = skips or {}
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            self._read_entries(pipe, p, start_ms, skips.get(p, 0), chunk)
+            self._read_entries(pipe, p, position, chunk)
         firsts = self.execute(pipe)
-        return heapq.merge(*(self._partition_scan(p, rows, start_ms, skips.get(p, 0), chunk)
-                             for p, rows in enumerate(firsts)))
+        return heapq.merge(*(self._partition_scan(p, _entries_of(rows, p), chunk) for p, rows in enumerate(firsts)))
 
-    def _partition_scan(self, p: int, rows: list, at: int | None, skip: int, chunk: int
+    def _partition_scan(self, p: int, batch: list[tuple[int, bytes, int]], chunk: int
                         ) -> Iterator[tuple[int, bytes, int]]:
         while True:
-            batch = _entries_of(rows, p)
             yield from batch
             if len(batch) < chunk:
                 return
-            last = batch[-1][0]
-            skip = (skip if last == at else 0) + sum(1 for due, _, _ in batch if due == last)
-            at = last
-            pipe = self.redis.pipeline(transaction=False)
-            self._read_entries(pipe, p, at, skip, chunk)
-            rows = self.execute(pipe)[0]
+            batch = self.entries(p, chunk, batch[-1][:2])
 
-    def entries(self, partition: int, limit: int, start_ms: int | None = None, skip: int = 0
+    def entries(self, partition: int, limit: int, position: Position = (None, b"")
                 ) -> list[tuple[int, bytes, int]]:
-        """One partition's next ``limit`` tasks from ``start_ms`` on (skipping the first ``skip`` due
-        exactly then), in due order: ``(due ms, member, partition)``, for :meth:`describe`."""
+        """One partition's next ``limit`` tasks after ``position`` (due ms, stored id), in due order:
+        ``(due ms, member, partition)``, for :meth:`describe`."""
         pipe = self.redis.pipeline(transaction=False)
-        self._read_entries(pipe, partition, start_ms, skip, limit)
+        self._read_entries(pipe, partition, position, limit)
         return _entries_of(self.execute(pipe)[0], partition)
 
-    def _read_entries(self, pipe: Any, p: int, start_ms: int | None, skip: int, limit: int) -> None:
+    def _read_entries(self, pipe: Any, p: int, position: Position, limit: int) -> None:
+        due_ms, member = position
         self.scripts["upcoming"](keys=[self.keys.buckets(p)],
                                  args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
-                                       "" if start_ms is None else start_ms, skip, limit], client=pipe)
+                                       "" if due_ms is None else due_ms, member, limit], client=pipe)
 
     def describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
         """What an operator sees of each entry still stored: ``task_id``, ``due_ms``, ``eta``,
@@ -216,26 +211,17 @@ def _envelope_of(stored: bytes) -> bytes:
     return stored[_BUCKET.size:]
 
 
-def _parse_cursor(cursor: str | None, partitions: int) -> tuple[int | None, dict[int, int]]:
-    """``(due ms, {partition: entries at that due time already returned})`` of a page cursor."""
+def parse_cursor(cursor: str | None) -> Position:
+    """The position of a page cursor (``<due ms>:<stored id in hex>``); None: the start."""
     if cursor is None:
-        return None, {}
+        return None, b""
     try:
-        due, _, skips = cursor.partition(":")
-        parsed = {int(p): int(n) for p, n in (pair.split("=") for pair in skips.split(",") if pair)}
-        if any(not 0 <= p < partitions or n < 0 for p, n in parsed.items()):
-            raise ValueError(cursor)
-        return int(due), parsed
+        due, _, member = cursor.partition(":")
+        return int(due), bytes.fromhex(member)
     except ValueError:
         raise ValueError(f"not a cursor of upcoming(): {cursor!r}") from None
 
 
-def _next_cursor(page: list[tuple[int, bytes, int]], start_ms: int | None, skips: dict[int, int]) -> str:
-    """The cursor after ``page``: its last due time, and per partition how many entries at that due
-    time were returned so far (the next page skips them)."""
-    last_ms = page[-1][0]
-    seen = dict(skips) if last_ms == start_ms else {}
-    for due_ms, _, p in page:
-        if due_ms == last_ms:
-            seen[p] = seen.get(p, 0) + 1
-    return f"{last_ms}:" + ",".join(f"{p}={n}" for p, n in sorted(seen.items()))
+def cursor_after(entry: tuple[int, bytes, int]) -> str:
+    """The cursor of the position just after ``entry``: its due time and stored id."""
+    return f"{entry[0]}:{entry[1].hex()}"

@@ -7,6 +7,7 @@ some would be caught.
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 from celery import states
@@ -127,3 +128,51 @@ def test_histogram_counts_tasks_per_bin_from_the_bucket_index(overrides):
     assert store.histogram(start, start + 4 * MINUTE, MINUTE) == [10, 0, 4, 0]
     with pytest.raises(ValueError, match="whole 10 s buckets"):
         store.histogram(start + 1, start + MINUTE, MINUTE)
+
+
+def _same_time(store, n: int, task: str, due: int) -> list[str]:
+    """``n`` tasks of ``task`` all due at ``due``, under random ids (so tasks of two names interleave)."""
+    ids = []
+    for _ in range(n):
+        batch = list(envelopes(1, "q", due, prefix=uuid.uuid4().hex, task=task))
+        store.schedule_many(batch)
+        ids.append(batch[0][0])
+    return ids
+
+
+def test_a_bulk_cancel_misses_nothing_while_others_cancel_tasks_it_has_read(overrides):
+    """Another operator's cancel of tasks the walk has already read, between two of its batches, must not
+    make it skip unread ones (it once went on after "as many tasks at that due time as stayed")."""
+    app = create_app(**overrides)
+    store = store_of(app)
+    due = int(time.time() * 1000) + 10 * MINUTE
+    wanted = _same_time(store, 600, "app.A", due)
+    others = _same_time(store, 600, "app.B", due)
+    cancelled_by_the_other = []
+
+    def meanwhile(examined: int, matched: int) -> None:
+        if not cancelled_by_the_other:  # after the first batch: the other operator cancels every app.B
+            cancelled_by_the_other.extend(others)
+            store.cancel_many(others)
+
+    totals = browse.cancel(app, Filter(task="app.A"), progress=meanwhile)
+    assert totals == {"cancelled": 600, "dispatching": 0}
+    assert _dues(store) == {}
+
+
+def test_paging_shows_every_task_once_while_tasks_at_that_time_are_cancelled_and_added(overrides):
+    store = store_of(create_app(**overrides))
+    due = int(time.time() * 1000) + 10 * MINUTE
+    present = set(_same_time(store, 400, "app.A", due))
+    shown: list[str] = []
+    cursor = None
+    while True:
+        page = browse.find(store, Filter(), limit=50, after=cursor)
+        shown += [item["task_id"] for item in page.items]
+        store.cancel_many(shown[-5:])  # an operator cancels tasks it was shown
+        present -= set(shown[-5:])
+        _same_time(store, 5, "app.new", due)  # others schedule more at the same time
+        if (cursor := page.cursor) is None:
+            break
+    assert len(shown) == len(set(shown)), "a task was shown twice"
+    assert present <= set(shown), f"{len(present - set(shown))} tasks scheduled throughout were never shown"

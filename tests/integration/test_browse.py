@@ -146,7 +146,7 @@ def test_a_bulk_cancel_misses_nothing_while_others_cancel_tasks_it_has_read(over
     app = create_app(**overrides)
     store = store_of(app)
     due = int(time.time() * 1000) + 10 * MINUTE
-    wanted = _same_time(store, 600, "app.A", due)
+    _same_time(store, 600, "app.A", due)
     others = _same_time(store, 600, "app.B", due)
     cancelled_by_the_other = []
 

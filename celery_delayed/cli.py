@@ -301,23 +301,26 @@ def _overdue_age(seconds: float | None) -> str:
 @click.option("--address", default="127.0.0.1", show_default=True,
               help="Address to bind (127.0.0.1: this machine only; give another only behind auth).")
 @click.option("--basic-auth", envvar="CELERY_DELAYED_WEB_BASIC_AUTH", metavar="USER:PASSWORD",
-              help="Require HTTP basic auth (or set CELERY_DELAYED_WEB_BASIC_AUTH).")
+              help="Require HTTP basic auth (better: set CELERY_DELAYED_WEB_BASIC_AUTH, not shown by ps).")
 @click.option("--token", envvar="CELERY_DELAYED_WEB_TOKEN",
-              help="Accept 'Authorization: Bearer TOKEN' (API clients; or set CELERY_DELAYED_WEB_TOKEN).")
+              help="Accept 'Authorization: Bearer TOKEN' (API clients; better: CELERY_DELAYED_WEB_TOKEN).")
 @click.option("--metrics", "metrics_urls", multiple=True, metavar="URL",
               help="A poller's Prometheus endpoint (repeatable), for the dispatch rate and lag.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Without credentials, a Host name besides 127.0.0.1/localhost to answer (repeatable).")
 @click.pass_context
 def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, token: str | None,
-        metrics_urls: tuple[str, ...]) -> None:
+        metrics_urls: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
     """Serve the web view of the schedule and the dead letters (and its JSON API under /api)."""
     import tornado.ioloop
 
     from .web.server import make_app
     from .web.views import Views
 
-    _load(ctx)
+    _load(ctx, check=False)  # a store that is down answers 503 until it is back
     try:
-        application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token)
+        application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token,
+                               allowed_hosts=(*allowed_hosts, address))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     application.listen(port, address)

@@ -1,11 +1,14 @@
 """``celery delayed web``: the schedule and the dead letters in a browser, and the same as JSON under ``/api``.
 
-Tornado (installed with Flower), server-rendered pages, no script from anywhere
-else: the pages work offline.  Safe by default: it binds 127.0.0.1; with
-``--basic-auth`` or ``--token`` every request must authenticate; every change is
-a POST, which a browser must send with the page's XSRF token (a request
-authenticated by a bearer token is not sent by a browser on its own, so the API
-takes it without one).  Store calls run in a thread pool, never on the loop.
+Tornado (installed with Flower), server-rendered pages, no script at all: the
+pages work offline.  Safe by default: it binds 127.0.0.1 and, without
+credentials, answers only requests naming this machine as their Host (a page
+elsewhere cannot reach it by DNS rebinding); with ``--basic-auth`` or
+``--token`` every request must authenticate; every change is a POST, which a
+browser must send from one of these pages (same Origin) with the page's XSRF
+token (a request authenticated by a bearer token is not sent by a browser on
+its own, so the API takes it without one); no page may be framed.  Store calls
+run in a thread pool, never on the loop.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+import redis
 import tornado.web
 from tornado.ioloop import IOLoop
 
@@ -46,8 +50,14 @@ class Base(tornado.web.RequestHandler):
 
     views: Views
 
-    def initialize(self, views: Views, basic_auth: str | None, token: str | None) -> None:
-        self.views, self._basic, self._token = views, basic_auth, token
+    def initialize(self, views: Views, basic_auth: str | None, token: str | None, hosts: frozenset[str]) -> None:
+        self.views, self._basic, self._token, self._hosts = views, basic_auth, token, hosts
+
+    def set_default_headers(self) -> None:
+        self.set_header("X-Frame-Options", "DENY")
+        self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'self'; form-action 'self'; "
+                                                   "frame-ancestors 'none'; base-uri 'none'")
+        self.set_header("Referrer-Policy", "no-referrer")
 
     @property
     def api(self) -> bool:
@@ -62,16 +72,29 @@ class Base(tornado.web.RequestHandler):
         wanted = "Basic " + base64.b64encode(self._basic.encode()).decode() if self._basic else ""
         return bool(self._basic) and hmac.compare_digest(given.encode(), wanted.encode())
 
+    def _check_host_and_origin(self) -> None:
+        """Without credentials, only a Host of this machine (DNS rebinding); a browser's POST only from
+        these pages (its Origin is this server)."""
+        if not (self._basic or self._token) and _hostname(self.request.host) not in self._hosts:
+            raise Problem(403, f"Host {self.request.host!r} is not one this server answers to "
+                               "(--allowed-host adds one)")
+        origin = self.request.headers.get("Origin")
+        if self.request.method == "POST" and origin and urllib.parse.urlsplit(origin).netloc != self.request.host:
+            raise Problem(403, f"a change from another site ({origin}) is refused")
+
     def prepare(self) -> None:
         if (self._basic or self._token) and not (self._by_token() or self._by_password()):
             if self._basic:
                 self.set_header("WWW-Authenticate", 'Basic realm="celery-delayed"')
             raise Problem(401, "credentials required")
+        self._check_host_and_origin()
         if not self.api:
             self.xsrf_token  # sets the XSRF cookie on every page, so each page's forms can be posted
 
     def check_xsrf_cookie(self) -> None:
-        """A bearer token is never attached by a browser on its own: no XSRF check for it."""
+        """Run first for a POST (before :meth:`prepare`). A bearer token is never attached by a browser
+        on its own: no XSRF check for it."""
+        self._check_host_and_origin()
         if not self._by_token():
             if (self._basic or self._token) and not self._by_password():
                 raise Problem(401, "credentials required")
@@ -89,6 +112,8 @@ class Base(tornado.web.RequestHandler):
             raise Problem(409, str(exc)) from None
         except StoreUnavailable as exc:
             raise Problem(503, f"store unavailable: {exc}") from None
+        except redis.RedisError as exc:  # a read made outside the store's wrapper (the dead letters)
+            raise Problem(503, f"store unavailable: {type(exc).__name__}: {exc}") from None
         except ValueError as exc:
             raise Problem(400, str(exc)) from None
 
@@ -142,7 +167,7 @@ class Base(tornado.web.RequestHandler):
 
     def get_template_namespace(self) -> dict[str, Any]:
         return {**super().get_template_namespace(), "utc": _utc, "local": _local, "rel": _relative,
-                "age": _age, "bars": _bars, "next_page": _next_page,
+                "age": _age, "bars": _bars, "next_page": _next_page, "quote": _quote,
                 "json_encode_pretty": lambda value: json.dumps(value, indent=2, default=str)}
 
 
@@ -155,7 +180,7 @@ class Upcoming(Base):
     async def get(self) -> None:
         task_id = self.arg("id")
         if task_id and not self.api:  # search by id: that task's page
-            return self.redirect(f"/tasks/{tornado.escape.url_escape(task_id, plus=False)}")
+            return self.redirect(f"/tasks/{_quote(task_id)}")
         now_ms = await self.call(self.views.store.now_ms)
         data = await self.call(self.views.upcoming, self.filter(now_ms), self.arg("after"), self.limit(50))
         self.answer("upcoming.html", data, query=self.request.query_arguments)
@@ -170,17 +195,19 @@ class Task(Base):
                                         "dispatched, or cancelled)" + ("; it is a dead letter" if dead else ""))
         self.answer("task.html", info)
 
+
+class TaskAction(Base):
     async def post(self, task_id: str, action: str) -> None:
         if action == "cancel":
             data = await self.call(self.views.cancel, task_id)
-            return self.done(data, f"/upcoming?done=cancelled+{tornado.escape.url_escape(task_id)}")
+            return self.done(data, f"/upcoming?{urllib.parse.urlencode({'done': f'cancelled {task_id}'})}")
         if action == "run-now":
             data = await self.call(self.views.run_now, task_id)
         elif action == "reschedule":
             data = await self.call(self.views.reschedule, task_id, self.arg("eta"), self.arg("shift"))
         else:
             raise Problem(404, f"no action {action!r}")
-        self.done(data, f"/tasks/{tornado.escape.url_escape(task_id, plus=False)}")
+        self.done(data, f"/tasks/{_quote(task_id)}")
 
 
 class Bulk(Base):
@@ -214,6 +241,8 @@ class DeadLetterList(Base):
         data = await self.call(self.views.dead_letters, self.arg("task"), self.arg("reason"), self.limit(100))
         self.answer("dead_letters.html", data)
 
+
+class DeadLettersAction(Base):
     async def post(self, action: str) -> None:
         """Requeue or purge every dead letter of the filter (task, reason): all that match, at once."""
         if action not in ("requeue", "purge"):
@@ -232,6 +261,8 @@ class DeadLetter(Base):
             raise Problem(404, f"no dead letter with task id {task_id}")
         self.answer("dead_letter.html", info)
 
+
+class DeadLetterAction(Base):
     async def post(self, task_id: str, action: str) -> None:
         if action not in ("requeue", "purge"):
             raise Problem(404, f"no action {action!r}")
@@ -242,15 +273,18 @@ class DeadLetter(Base):
 
 
 def make_app(views: Views, basic_auth: str | None = None, token: str | None = None,
-             cookie_secret: str | None = None) -> tornado.web.Application:
-    """The web view's routes; each page's path under ``/api`` answers the same as JSON."""
+             allowed_hosts: tuple[str, ...] = (), cookie_secret: str | None = None) -> tornado.web.Application:
+    """The web view's routes; each page's path under ``/api`` answers the same as JSON.  Without
+    credentials, requests must name this machine (or one of ``allowed_hosts``) as their Host."""
     if basic_auth is not None and ":" not in basic_auth:
         raise ValueError("--basic-auth must be user:password")
-    init = {"views": views, "basic_auth": basic_auth, "token": token}
+    hosts = frozenset({"127.0.0.1", "localhost", "::1", *(_hostname(h) for h in allowed_hosts)})
+    init = {"views": views, "basic_auth": basic_auth, "token": token, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
-              (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", Task), (r"/bulk", Bulk), (r"/jobs/(\w+)", JobPage),
-              (r"/dead-letters", DeadLetterList), (r"/dead-letters/(requeue|purge)", DeadLetterList),
-              (r"/dead-letters/([^/]+)", DeadLetter), (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetter)]
+              (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", TaskAction), (r"/bulk", Bulk),
+              (r"/jobs/(\w+)", JobPage), (r"/dead-letters", DeadLetterList),
+              (r"/bulk/dead-letters/(requeue|purge)", DeadLettersAction), (r"/dead-letters/([^/]+)", DeadLetter),
+              (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetterAction)]
     handlers = [(path, cls, init) for path, cls in routes]
     handlers += [("/api/overview" if path == "/" else "/api" + path, cls, init) for path, cls in routes]
     return tornado.web.Application(
@@ -259,7 +293,18 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
         pool=ThreadPoolExecutor(8, thread_name_prefix="delayed-web"), autoescape="xhtml_escape")
 
 
+def _hostname(host: str) -> str:
+    """The name of a Host header or ``--allowed-host`` value, without its port or IPv6 brackets."""
+    return urllib.parse.urlsplit(f"//{host}").hostname or host
+
+
 # -- formatting for the templates ---------------------------------------------
+def _quote(value: str) -> str:
+    """A task id as one path segment (a '/' in it included)."""
+    return urllib.parse.quote(value, safe="")
+
+
+
 def _utc(ms: int | None) -> str:
     return "-" if ms is None else datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 

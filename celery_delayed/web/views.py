@@ -24,6 +24,7 @@ from ..dlq import DeadLetters
 from ..leadership import leaders, make_etcd
 from ..outcomes import Change
 from ..revoke import cancel_or_revoke
+from ..settings import redact_url
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -123,15 +124,17 @@ class Views:
     def bulk(self, action: str, flt: Filter, shift_ms: int | None = None, to_ms: int | None = None,
              confirm: str | None = None) -> Job:
         """Start a bulk job on every task matching ``flt``: ``count``, or ``cancel`` / ``reschedule``,
-        which run only with ``confirm`` naming a finished count job of the same filter and action."""
+        which run only with ``confirm`` naming a finished count of the same filter not used before
+        (a double submit changes nothing twice)."""
         if action == "count":
             return self.jobs.start("count", flt, lambda progress: {"matched": browse.count(self.store, flt, progress)})
         if action not in ("cancel", "reschedule"):
             raise ValueError(f"unknown bulk action {action!r}: count, cancel or reschedule")
-        counted = self.jobs.get(confirm or "")
-        if counted is None or counted.action != "count" or counted.filter != flt or counted.state != "done":
+        if flt.is_empty():
+            raise ValueError(f"a bulk {action} needs a filter (task, queue, due window or id prefix)")
+        if not self.jobs.use_count(confirm or "", flt):
             raise ValueError(f"{action} by filter needs confirming: count the tasks of this filter first, then "
-                             "send the count job's id as confirm")
+                             "send the count job's id as confirm (each count confirms one change)")
         if action == "cancel":
             return self.jobs.start("cancel", flt, lambda progress: browse.cancel(self.app, flt, progress))
         return self.jobs.start("reschedule", flt, lambda progress: browse.reschedule(
@@ -147,7 +150,7 @@ class Views:
 
     def dead_letter(self, task_id: str) -> dict[str, Any] | None:
         letter = self.letters.get(task_id)
-        return None if letter is None else letter.describe()
+        return None if letter is None else {"message_error": None, "message_preview": None, **letter.describe()}
 
     def requeue(self, task_ids: list[str]) -> dict[str, Any]:
         requeued = [t for t in task_ids if self.letters.requeue(t, self.app.backend)]
@@ -212,6 +215,7 @@ class Job:
     matched: int = 0
     result: dict | None = None
     error: str | None = None
+    used: bool = False  # a count that confirmed a change
     started: float = field(default_factory=time.time)
     finished: float | None = None
 
@@ -229,6 +233,15 @@ class Jobs:
     def get(self, job_id: str) -> Job | None:
         with self._lock:
             return self._jobs.get(job_id)
+
+    def use_count(self, job_id: str, flt: Filter) -> bool:
+        """Whether ``job_id`` is a finished, unused count of ``flt``; it is used from now on."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.action != "count" or job.state != "done" or job.filter != flt or job.used:
+                return False
+            job.used = True
+            return True
 
     def start(self, action: str, flt: Filter, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
         job = Job(action, flt)
@@ -273,7 +286,7 @@ class DispatchRate:
                 with urllib.request.urlopen(url, timeout=2) as reply:
                     text = reply.read().decode()
             except OSError as exc:
-                errors.append(f"{url}: {exc}")
+                errors.append(f"{redact_url(url)}: {exc}")
                 continue
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:

@@ -186,8 +186,11 @@ def test_bulk_cancel_by_filter_needs_its_count_and_leaves_the_others(app, server
     status, error = client.json("/api/bulk", {**flt, "task": "app.page", "action": "cancel", "confirm": job["id"]})
     assert status == 400  # a count of another filter does not confirm this one
 
-    status, job = client.json("/api/bulk", {**flt, "action": "cancel", "confirm": job["id"]})
+    counted_id = job["id"]
+    status, job = client.json("/api/bulk", {**flt, "action": "cancel", "confirm": counted_id})
     assert status == 202 and _finished(client, job["id"])["result"] == {"cancelled": 60, "dispatching": 0}
+    status, error = client.json("/api/bulk", {**flt, "action": "cancel", "confirm": counted_id})
+    assert status == 400 and "each count confirms one change" in error["error"]  # a double submit
     left = store.counts()
     assert sum(r["scheduled"] for r in left) == 120
     assert store.get("mail-3-0") is not None and store.get("web-0-0") is not None and store.get("mail-0-0") is None
@@ -205,6 +208,11 @@ def test_bulk_reschedule_by_filter_shifts_every_match(app, server):
                                             "confirm": job["id"]})
     assert status == 202 and _finished(client, job["id"])["result"] == {"moved": 60, "dispatching": 0}
     assert store.get("web-5-3")["due_ms"] == now + 8 * MINUTE and store.get("mail-5-3")["due_ms"] == now + 6 * MINUTE
+    status, job = client.json("/api/bulk", {"queue": "web", "action": "reschedule", "shift": "2m",
+                                            "confirm": job["id"]})  # submitted twice: refused, shifted once
+    assert status == 400 and store.get("web-5-3")["due_ms"] == now + 8 * MINUTE
+    status, error = client.json("/api/bulk", {"action": "cancel", "confirm": "x"})
+    assert status == 400 and "needs a filter" in error["error"]
 
 
 def test_overview_shows_each_partitions_leader_and_the_pollers_dispatch_rate(app, processes):
@@ -255,15 +263,17 @@ def test_dead_letters_list_show_requeue_and_purge(app, server):
     assert status == 200 and listed["count"] == 5 and len(listed["items"]) == 3
     status, page = client.request("/dead-letters")
     assert status == 200 and page.count('href="/dead-letters/dead-') == 5
+    status, page = client.request("/dead-letters/dead-1")
+    assert status == 200 and "Traceback: boom" in page and "/dead-letters/dead-1/requeue" in page
     status, letter = client.json("/api/dead-letters/dead-0")
     assert status == 200 and letter["traceback"] == "Traceback: boom" and letter["task"] == "tasks.demo.add"
 
     status, done = client.json("/api/dead-letters/dead-0/requeue", {})
     assert status == 200 and done == {"requeued": 1, "unknown": 0}
     assert store_of(app).get("dead-0") is not None and not letters.holds("dead-0")
-    status, error = client.json("/api/dead-letters/purge", {"reason": "boom"})
+    status, error = client.json("/api/bulk/dead-letters/purge", {"reason": "boom"})
     assert status == 400 and "needs confirm=2" in error["error"]
-    status, done = client.json("/api/dead-letters/purge", {"reason": "boom", "confirm": "2"})
+    status, done = client.json("/api/bulk/dead-letters/purge", {"reason": "boom", "confirm": "2"})
     assert status == 200 and done == {"purged": 2, "unknown": 0} and letters.count() == 2
 
 
@@ -313,3 +323,45 @@ def test_what_users_wrote_is_shown_escaped_and_odd_ids_get_clean_errors(app, ser
     status, error = client.json("/api/upcoming?after=garbage")
     assert status == 400 and "not a cursor" in error["error"]
     assert client.json("/api/upcoming?limit=100000")[0] == 200  # capped, not refused
+
+
+def test_a_page_elsewhere_cannot_reach_it_by_another_host_name_frame_it_or_post_to_it(app, server):
+    store = store_of(app)
+    store.schedule_many(envelopes(1, "q", int(time.time() * 1000) + MINUTE, prefix="keep"))
+    rebound = Client(server.url, {"Host": "attacker.example:80"})  # DNS rebinding: their name, our address
+    status, error = rebound.json("/api/upcoming")
+    assert status == 403 and "not one this server answers to" in error["error"]
+    client = Client(server.url)
+    status, _ = client.request("/")
+    cross_site = Client(server.url, {"Origin": "http://127.0.0.1:9"})
+    cross_site.jar = client.jar  # the XSRF cookie is shared by every port of 127.0.0.1
+    status, error = cross_site.json("/api/tasks/keep-0/cancel", {})
+    assert status == 403 and "from another site" in error["error"] and store.get("keep-0") is not None
+    with urllib.request.urlopen(server.url + "/") as reply:
+        assert reply.headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in reply.headers["Content-Security-Policy"]
+
+
+def test_a_task_id_with_a_slash_opens_and_is_cancelled_and_actions_refuse_get(app, server):
+    store = store_of(app)
+    store.schedule_many(envelopes(1, "q", int(time.time() * 1000) + MINUTE, prefix="tenant/7"))
+    client = Client(server.url)
+    page = client.request("/upcoming")[1]
+    assert 'href="/tasks/tenant%2F7-0"' in page
+    status, page = client.request("/tasks/tenant%2F7-0")
+    assert status == 200 and 'action="/tasks/tenant%2F7-0/cancel"' in page
+    assert client.request("/tasks/tenant%2F7-0/cancel")[0] == 405  # a GET changes nothing
+    assert client.request("/tasks/tenant%2F7-0/cancel", {})[0] == 200 and store.get("tenant/7-0") is None
+
+
+def test_a_store_that_is_down_is_a_503_on_every_page(overrides):
+    down = create_app(**{**overrides, "delayed_redis_url": "redis://127.0.0.1:1/0", "delayed_redis_cluster": False})
+    server = Server(down)
+    try:
+        client = Client(server.url)
+        for path in ("/api/overview", "/api/upcoming", "/api/tasks/x", "/api/dead-letters", "/api/dead-letters/x"):
+            status, error = client.json(path)
+            assert status == 503 and "unavailable" in error["error"], (path, status, error)
+        assert client.request("/dead-letters")[0] == 503
+    finally:
+        server.stop()

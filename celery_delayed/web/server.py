@@ -57,7 +57,7 @@ class Base(tornado.web.RequestHandler):
         self.set_header("X-Frame-Options", "DENY")
         self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'self'; form-action 'self'; "
                                                    "frame-ancestors 'none'; base-uri 'none'")
-        self.set_header("Referrer-Policy", "no-referrer")
+        self.set_header("Referrer-Policy", "same-origin")  # no-referrer would make a form's Origin "null"
 
     @property
     def api(self) -> bool:

@@ -2,7 +2,8 @@
 
 Every page must answer from bounded reads, so its time should not grow with the
 store.  The run fills one store with N tasks (default 1M; four task names, two
-queues, due times spread over two days, plus 1,000 dead letters) and a second,
+queues, due times spread over two days but a tenth of them a campaign due at one
+ms a day ahead, plus 1,000 dead letters) and a second,
 the baseline, with 1,000 tasks, starts a poller (leading every partition,
 dispatching what falls due) and ``celery -A tasks delayed web`` (real processes)
 on each, and requests every page R times, one after another, timing each
@@ -39,6 +40,7 @@ from rich.table import Table
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetter, DeadLetters
 from celery_delayed.envelope import Envelope
+from celery_delayed.layout import member_of
 from celery_delayed.sandbox import remove_everything
 from tasks import create_app
 from tasks.processes import Processes, free_port, wait_for
@@ -58,37 +60,47 @@ GOAL_P99_MS = 200
 
 def _chunk(job: tuple[dict[str, Envelope], int, int, int]) -> list[tuple[str, int, bytes]]:
     """``count`` stored items of the four task names (run in a pool process)."""
-    templates, first_due, count, seed = job
+    templates, first_due, count, seed, spread_ms = job
     rng = random.Random(seed)
     items = []
     for i in range(count):
         name = NAMES[i % len(NAMES)]
         task_id = str(uuid.UUID(int=rng.getrandbits(128), version=4))
-        due_ms = first_due + rng.randrange(SPREAD_MS)
+        due_ms = first_due + rng.randrange(spread_ms)
         items.append((task_id, due_ms, envelope_bytes(templates[name], QUEUES[i % 2], task_id, due_ms)))
     return items
 
 
-def fill(app: Any, n: int, templates: dict[str, Envelope], progress: Progress) -> list[str]:
-    """``n`` tasks and the dead letters into ``app``'s store; a few task ids to open pages of."""
+def fill(app: Any, n: int, templates: dict[str, Envelope], progress: Progress) -> tuple[list[str], str]:
+    """``n`` tasks (a tenth of them a campaign due at one ms, a day ahead) and the dead letters into
+    ``app``'s store; a few task ids to open pages of, and a cursor halfway through the campaign."""
     store = store_of(app)
     first_due = store.now_ms() + 60_000
-    jobs = [(templates, first_due, min(CHUNK, n - start), start) for start in range(0, n, CHUNK)]
+    campaign = n // 10
+    jobs = [(templates, first_due, min(CHUNK, n - campaign - start), start, SPREAD_MS)
+            for start in range(0, n - campaign, CHUNK)]
+    jobs += [(templates, first_due + SPREAD_MS // 2, min(CHUNK, campaign - start), n + start, 1)
+             for start in range(0, campaign, CHUNK)]
     bar = progress.add_task(f"store {n:,} tasks", total=n)
     some: list[str] = []
+    stored: list[tuple[str, int]] = []  # the campaign's (id, due)
     with mp.get_context("fork").Pool(os.cpu_count() or 2) as pool:
-        for items in pool.imap(_chunk, jobs):
+        for job, items in zip(jobs, pool.imap(_chunk, jobs)):
             store.schedule_many(items)
             some.append(items[0][0])
+            if job[4] == 1:
+                stored += [(task_id, due) for task_id, due, _ in items]
             progress.advance(bar, len(items))
     letters = DeadLetters(store)
-    for i, (task_id, _, data) in enumerate(_chunk((templates, first_due, DEAD_LETTERS, 7))):
+    for i, (task_id, _, data) in enumerate(_chunk((templates, first_due, DEAD_LETTERS, 7, SPREAD_MS))):
         letters.add(DeadLetter(task_id=task_id, reason="boom" if i % 3 else "unknown task", source="worker",
                                message=data, traceback="Traceback (most recent call last): ..."))
-    return some
+    middle = sorted(stored, key=lambda s: member_of(s[0]))[len(stored) // 2]
+    return some, f"{middle[1]}:{member_of(middle[0]).hex()}"
 
 
-def time_pages(base: str, task_ids: list[str], requests: int, progress: Progress) -> dict[str, dict[str, float]]:
+def time_pages(base: str, task_ids: list[str], campaign: str, requests: int, progress: Progress
+               ) -> dict[str, dict[str, float]]:
     """Per page, the summary of ``requests`` answer times (ms), each request on a new connection."""
     with _open(f"{base}/api/upcoming?limit=50") as reply:
         cursor = json.loads(reply.read())["cursor"]
@@ -97,7 +109,8 @@ def time_pages(base: str, task_ids: list[str], requests: int, progress: Progress
             cursor = json.loads(reply.read())["cursor"]
     pages = {
         "overview": "/", "overview (api)": "/api/overview", "upcoming, first page": "/upcoming",
-        "upcoming, 20th page": f"/upcoming?after={cursor}", "upcoming, task filter": f"/upcoming?task={NAMES[2]}",
+        "upcoming, 20th page": f"/upcoming?after={cursor}", "upcoming, halfway into a campaign":
+        f"/upcoming?after={campaign}", "upcoming, task filter": f"/upcoming?task={NAMES[2]}",
         "upcoming, due window + queue": "/upcoming?queue=mail&due_after=now%2B1d&due_before=now%2B25h",
         "upcoming, no match (budget)": "/upcoming?task=no.such.task", "task page": "/tasks/{id}",
         "search by id": "/upcoming?id={id}", "dead letters": "/dead-letters",
@@ -159,14 +172,14 @@ def run_case(n: int, requests: int, templates: dict[str, Envelope], logdir: Path
     app = create_app(**overrides)
     procs = Processes(logdir, overrides)
     try:
-        task_ids = fill(app, n, templates, progress)
+        task_ids, campaign = fill(app, n, templates, progress)
         port, metrics = free_port(), free_port()
         procs.start(f"poller-{n}", "delayed", "poller", "--metrics-port", str(metrics))  # leads, dispatches
         procs.start(f"web-{n}", "delayed", "web", "--port", str(port), "--metrics",
                     f"http://127.0.0.1:{metrics}/metrics")
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(base), 60, "celery delayed web to answer")
-        result = {"tasks": n, "pages": time_pages(base, task_ids, requests, progress), "bulk_count": bulk_count(base)}
+        result = {"tasks": n, "pages": time_pages(base, task_ids, campaign, requests, progress), "bulk_count": bulk_count(base)}
         if shots:
             result["screenshots"] = [str(p.relative_to(RESULTS.parent.parent)) for p in screenshots(base)]
         return result

@@ -335,13 +335,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
         rss.set(title=f"worker RSS (all processes), N = {n:,}", xlabel="seconds", ylabel="MB")
         cdf.set(title=f"due -> started, N = {n:,} (fraction of all N tasks)", xlabel="lag (ms, log)",
                 ylabel="fraction started", xscale="log", ylim=(0, 1.01))
-        for ax in (rss, cdf):
-            ax.grid(alpha=0.3)
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, axes.flat, path)
 
 
 def plot_on_time(path: Path) -> Path | None:
@@ -363,8 +357,16 @@ def plot_on_time(path: Path) -> Path | None:
         ax.plot(sizes, [by_n[n] for n in sizes], marker="o", label=system)
     ax.set(xscale="log", xlabel="scheduled tasks N (log)", ylabel="% started within 1 s of due", ylim=(0, 101),
            title="tasks on time against N (worker restarted halfway)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    return _save(fig, [ax], path)
+
+
+def _save(fig: Any, axes: Any, path: Path) -> Path:
+    """A grid and a legend on each of ``axes``, then ``fig`` written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

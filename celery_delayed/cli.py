@@ -152,7 +152,8 @@ def _filter_options(command: Callable) -> Callable:
                                  ("--due-before", "Due before this time."),
                                  ("--id-prefix", "Task ids starting with this.")]):
         command = click.option(name, metavar="NAME" if name in ("--task", "--queue") else None, help=help_)(command)
-    command = click.option("--dry-run", is_flag=True, help="Count the tasks the filter selects; change nothing.")(command)
+    command = click.option("--dry-run", is_flag=True,
+                           help="Count the tasks the filter selects; change nothing.")(command)
     return click.option("-y", "--yes", is_flag=True, help="Act on the matches without asking.")(command)
 
 

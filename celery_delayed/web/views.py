@@ -7,7 +7,6 @@ newest.  Bulk actions run as :class:`Job` threads whose progress a page polls.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -260,7 +259,8 @@ class Jobs:
 
         with self._lock:
             self._jobs[job.id] = job
-            for old in itertools.islice([j for j in self._jobs.values() if j.finished], max(0, len(self._jobs) - KEPT_JOBS)):
+            finished = [j for j in self._jobs.values() if j.finished]  # oldest first
+            for old in finished[:max(0, len(self._jobs) - KEPT_JOBS)]:
                 del self._jobs[old.id]
         threading.Thread(target=run, name=f"bulk-{job.id}", daemon=True).start()
         return job

@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
              "results": [{k: v for k, v in r.items() if k != "lags"} for r in results]}, indent=1))
         plot(results, base.with_suffix(".png"))
         if not opts.quick:  # the figures the README shows (committed)
-            latest = "compare-latest" + "".join(f"-{name}" for name in opts.only or ())
+            sizes = "" if opts.tasks == [100_000] else "".join(f"-{n}" for n in opts.tasks)  # 100k: the README's
+            latest = "compare-latest" + sizes + "".join(f"-{name}" for name in opts.only or ())
             for suffix in (".md", ".json", ".png"):
                 shutil.copyfile(base.with_suffix(suffix), RESULTS / f"{latest}{suffix}")
             plot_on_time(RESULTS / "compare-on-time.png")

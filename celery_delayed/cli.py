@@ -30,7 +30,7 @@ from .outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
 from .poller import Poller
 from .revoke import cancel_or_revoke
 from .settings import ConfigurationError, Settings
-from .inspection import MAX_PAGE
+from .inspection import MAX_PAGE, totals
 from .store import DelayedStore
 
 console = Console()
@@ -99,10 +99,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
     for row in counts:
         table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]), str(row["overdue"]),
                       _overdue_age(row["oldest_overdue_s"]), _due_in(row["upcoming_due_ms"], now_ms))
-    ages = [r["oldest_overdue_s"] for r in counts if r["oldest_overdue_s"] is not None]
-    upcoming = [r["upcoming_due_ms"] for r in counts if r["upcoming_due_ms"] is not None]
-    table.add_row("all", *(str(sum(r[k] for r in counts)) for k in ("scheduled", "inflight", "overdue")),
-                  _overdue_age(max(ages, default=None)), _due_in(min(upcoming, default=None), now_ms), style="bold")
+    every = totals(counts)
+    table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
+                  _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
 
 

@@ -201,6 +201,15 @@ class Inspection:
         return [int(fence or 0) for fence in self.execute(pipe)]
 
 
+def totals(rows: list[dict]) -> dict:
+    """:meth:`Inspection.counts` over all partitions: the counts summed, the oldest overdue age and
+    the earliest upcoming due time."""
+    ages = [r["oldest_overdue_s"] for r in rows if r["oldest_overdue_s"] is not None]
+    upcoming = [r["upcoming_due_ms"] for r in rows if r["upcoming_due_ms"] is not None]
+    return {**{k: sum(r[k] for r in rows) for k in ("scheduled", "inflight", "overdue")},
+            "oldest_overdue_s": max(ages, default=None), "upcoming_due_ms": min(upcoming, default=None)}
+
+
 def _entries_of(rows: list, partition: int) -> list[tuple[int, bytes, int]]:
     """``upcoming.lua``'s reply as ``(due ms, member, partition)`` entries."""
     return [(int(rows[i + 1]), rows[i], partition) for i in range(0, len(rows), 2)]

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import browse, store_of
 from ..browse import Filter
 from ..dlq import DeadLetters
+from ..inspection import totals
 from ..leadership import leaders, make_etcd
 from ..outcomes import Change
 from ..revoke import cancel_or_revoke
@@ -64,14 +65,12 @@ class Views:
         lead, etcd_error = self._leaders()
         for row in rows:
             row.update(lead.get(row["partition"], {"poller": None, "lease_ttl_s": None}))
-        ages = [r["oldest_overdue_s"] for r in rows if r["oldest_overdue_s"] is not None]
-        upcoming = [r["upcoming_due_ms"] for r in rows if r["upcoming_due_ms"] is not None]
-        totals = {k: sum(r[k] for r in rows) for k in ("scheduled", "inflight", "overdue")}
-        totals.update(oldest_overdue_s=max(ages, default=None), upcoming_due_ms=min(upcoming, default=None),
-                      led=sum(1 for r in rows if r["poller"]), pollers=len({r["poller"] for r in rows if r["poller"]}))
-        return {"now_ms": now_ms, "totals": totals, "partitions": rows, "etcd_error": etcd_error,
+        summed = {**totals(rows), "led": sum(1 for r in rows if r["poller"]),
+                  "pollers": len({r["poller"] for r in rows if r["poller"]})}
+        return {"now_ms": now_ms, "totals": summed, "partitions": rows, "etcd_error": etcd_error,
                 "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
-                "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS), "next_days": self._far.get()},
+                "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
+                              "next_days": self._far.get()},
                 "dispatch": self._dispatch.get() if self._dispatch else None}
 
     def _histogram(self, now_ms: int, bin_ms: int, bins: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .inspection import Page, Position, cursor_after, parse_cursor
+from .inspection import Page, cursor_after, parse_cursor
 from .layout import due_ms_of, member_of
 from .outcomes import Change
 from .revoke import cancel_or_revoke
@@ -116,22 +116,19 @@ def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,
     """
     examined = matched = 0
     for p in range(store.settings.partitions):
-        position: Position = (flt.due_after, b"")
-        while True:
-            read = store.entries(p, BATCH, position)
-            entries = [e for e in read if flt.due_before is None or e[0] < flt.due_before]
+        for batch in _batches(store.partition_scan(p, (flt.due_after, b""), BATCH), BATCH):
+            entries = [e for e in batch if flt.due_before is None or e[0] < flt.due_before]
             if not entries:
                 break
             examined += len(entries)
             matches = [item for item in store.describe(entries) if flt.matches(item)]
             matched += len(matches)
             yield matches
-            if act:
+            if act:  # before the next batch is read
                 act(matches)
-            position = entries[-1][:2]
             if progress:
                 progress(examined, matched)
-            if len(entries) < BATCH:
+            if len(entries) < len(batch):  # the window ends here
                 break
 
 

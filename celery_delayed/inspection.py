@@ -104,6 +104,12 @@ class Inspection:
         firsts = self.execute(pipe)
         return heapq.merge(*(self._partition_scan(p, _entries_of(rows, p), chunk) for p, rows in enumerate(firsts)))
 
+    def partition_scan(self, partition: int, position: Position = (None, b""), chunk: int = 500
+                       ) -> Iterator[tuple[int, bytes, int]]:
+        """One partition's entries after ``position`` in due order, read ``chunk`` at a time: the next
+        chunk is read only once the last entry of this one was taken, after it (due time and id)."""
+        return self._partition_scan(partition, self.entries(partition, chunk, position), chunk)
+
     def _partition_scan(self, p: int, batch: list[tuple[int, bytes, int]], chunk: int
                         ) -> Iterator[tuple[int, bytes, int]]:
         while True:

@@ -39,7 +39,6 @@ import platform
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -233,13 +232,7 @@ def _restart(procs: Processes, env: dict[str, str], noop: Any, records: redis.Re
              timeout: float) -> float | None:
     """Warm-shut the worker down, start a new one, and time a task sent without an ETA: seconds from
     the new worker's start until that task started (None: not within ``timeout``)."""
-    old = procs.procs[-1][0]
-    os.killpg(old.pid, signal.SIGTERM)
-    try:
-        old.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(old.pid, signal.SIGKILL)
-        old.wait()
+    procs.warm_stop(procs.procs[-1][0])
     started = time.time()
     worker = procs.worker("compare", "-c", "2", env=env)
     sampler.pid = worker.pid

@@ -69,6 +69,19 @@ class Processes:
                 tail = log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"process {proc.pid} exited with {proc.returncode}; log {log}:\n{tail}")
 
+    def warm_stop(self, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+        """Stop a worker as ``docker stop`` or systemd's ``KillMode=mixed`` does: SIGTERM to its main
+        process only, a warm shutdown in which its pool children finish the tasks they run (a SIGTERM
+        to the whole group kills them mid-task, and they run again); SIGKILL to the group after
+        ``timeout``.  Returns the exit status."""
+        self._stopped.add(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _signal(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
     def stop_all(self, timeout: float = 20.0) -> None:
         """SIGTERM every live process (its own process group, by PID), SIGKILL after ``timeout``."""
         for proc, _ in self.procs:

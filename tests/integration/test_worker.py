@@ -252,8 +252,7 @@ def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, proces
     worker = processes.worker("w1", "-c", "2")
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 2, 60, "both tasks to start")
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=60) == 0
+    assert processes.warm_stop(worker) == 0
     assert all(x.get(timeout=5) for x in running)  # they finished during the warm shutdown
     assert committed(app) == 2, "the tasks that ran to the end were not committed"
 

@@ -337,6 +337,19 @@ def plot_lags(series: dict[str, Sequence[tuple[float, float]]], path: Path, titl
     return path
 
 
+def save_figure(fig: Any, axes: Any, path: Path) -> Path:
+    """A grid and a legend on each of ``axes``, then ``fig`` written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def profile_top(raw: Path, top: int = 25) -> list[tuple[float, str]]:
     """Frames of a ``py-spy record --format raw`` file by inclusive share of the samples."""
     total = 0

@@ -56,8 +56,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.common import RESULTS, exclusive, new_overrides, percentile, versions
-from bench.compare_app import RECORDS, create_app
+from bench.common import RESULTS, exclusive, new_overrides, percentile, save_figure, versions
+from bench.compare_app import RECORDS, create_app, read_run, run_keys
 from bench.dispatch import git_state
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
@@ -194,8 +194,7 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
         deadline = first_due + opts.window + opts.grace + (opts.cron if scheduler else 0)
         _wait_runs(records, run, n, deadline, progress, f"{system.name}: run")
         time.sleep(2)  # a duplicate may still land
-        runs = {k: int(v) for k, v in records.hgetall(f"compare:{run}:runs").items()}
-        lags = [int(v) for v in records.hvals(f"compare:{run}:lag")]
+        runs, lags, _ = read_run(records, run)
         return {"system": system.name, "tasks": n, "schedule_s": round(schedule_s, 1),
                 "schedule_per_s": round(n / schedule_s), "redis_mb": round(memory_mb, 1),
                 "worker_peak_rss_mb": round(max((mb for _, mb in sampler.samples), default=math.nan), 1),
@@ -243,7 +242,7 @@ def _restart(procs: Processes, env: dict[str, str], noop: Any, records: redis.Re
     except AssertionError:
         return None
     (lag_ms,) = records.hvals(f"compare:{probe}:lag")
-    records.delete(f"compare:{probe}:runs", f"compare:{probe}:lag")
+    records.delete(*run_keys(probe))
     return round(int(lag_ms) / 1000, 2)
 
 
@@ -269,7 +268,7 @@ class _Cron(threading.Thread):
 
 def _clean(system: System, overrides: dict[str, Any], records: redis.Redis, run: str) -> None:
     """Remove what one case left: its records, its broker queue, and its system's store."""
-    records.delete(f"compare:{run}:runs", f"compare:{run}:lag")
+    records.delete(*run_keys(run))
     broker = redis.Redis.from_url(create_app("native").conf.broker_url)
     broker.delete(overrides["task_default_queue"])
     if system.app == "celery-delayed":
@@ -328,7 +327,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
         rss.set(title=f"worker RSS (all processes), N = {n:,}", xlabel="seconds", ylabel="MB")
         cdf.set(title=f"due -> started, N = {n:,} (fraction of all N tasks)", xlabel="lag (ms, log)",
                 ylabel="fraction started", xscale="log", ylim=(0, 1.01))
-    return _save(fig, axes.flat, path)
+    return save_figure(fig, axes.flat, path)
 
 
 def plot_on_time(path: Path) -> Path | None:
@@ -350,20 +349,7 @@ def plot_on_time(path: Path) -> Path | None:
         ax.plot(sizes, [by_n[n] for n in sizes], marker="o", label=system)
     ax.set(xscale="log", xlabel="scheduled tasks N (log)", ylabel="% started within 1 s of due", ylim=(0, 101),
            title="tasks on time against N (worker restarted halfway)")
-    return _save(fig, [ax], path)
-
-
-def _save(fig: Any, axes: Any, path: Path) -> Path:
-    """A grid and a legend on each of ``axes``, then ``fig`` written to ``path`` and closed."""
-    import matplotlib.pyplot as plt
-
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, [ax], path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -35,14 +35,29 @@ def create_app(system: str, **overrides: object) -> Celery:
     return app
 
 
+def run_keys(run: str) -> list[str]:
+    """The keys :func:`noop` writes for one run."""
+    return [f"compare:{run}:{kind}" for kind in ("runs", "lag", "per_s")]
+
+
+def read_run(records: redis.Redis, run: str) -> tuple[dict[str, int], list[int], dict[int, int]]:
+    """What :func:`noop` recorded for one run: runs per task id, the lags (ms, in no order), starts per second."""
+    runs = {k.decode(): int(v) for k, v in records.hgetall(f"compare:{run}:runs").items()}
+    lags = [int(v) for v in records.hvals(f"compare:{run}:lag")]
+    per_s = {int(k): int(v) for k, v in records.hgetall(f"compare:{run}:per_s").items()}
+    return runs, lags, per_s
+
+
 def noop(task, run: str, due_ms: int) -> None:
-    """Count this execution of the task id; keep the lag (ms) of its first start behind its due time."""
+    """Count this execution of the task id; keep the lag (ms) of its first start behind its due time,
+    and count the starts of each second (epoch s)."""
     global _records
     started_ms = int(time.time() * 1000)
     _records = _records or redis.Redis.from_url(RECORDS)
     pipe = _records.pipeline(transaction=False)
     pipe.hincrby(f"compare:{run}:runs", task.request.id, 1)
     pipe.hsetnx(f"compare:{run}:lag", task.request.id, started_ms - due_ms)
+    pipe.hincrby(f"compare:{run}:per_s", started_ms // 1000, 1)
     pipe.execute()
 
 

@@ -162,11 +162,13 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         load = progress.add_task(f"{name}: preload", total=n + backlog)
         base_ms = int(time.time() * 1000) - 60_000  # due over the past minute, increasing scores
         ids = [str(uuid.uuid4()) for _ in range(n)]
+        memory = store.redis.info("memory")["used_memory"]
         t_load = time.time()
         added = store.schedule_many(
             ((tid, base_ms + i * 60_000 // n, envelope_bytes(template, queue, tid, base_ms + i * 60_000 // n))
              for i, tid in enumerate(ids)), progress=lambda k: progress.advance(load, k))
         load_s = time.time() - t_load
+        redis_bytes = store.redis.info("memory")["used_memory"] - memory
         tomorrow_ms = base_ms + 86_400_000
         added += store.schedule_many(
             ((tid, tomorrow_ms + i, envelope_bytes(template, queue, tid, tomorrow_ms + i))
@@ -234,6 +236,7 @@ def throughput(template: Envelope, profile: Profile, pollers: int, procs: Proces
         return {"pollers": pollers, "loaded": loaded, "tasks": n, "backlog": backlog, "ping_ms": stalls,
                 "partitions": settings.partitions, "preload_s": round(load_s, 3),
                 "preload_per_s": round(n / load_s), "msg_hash_bytes": msg_bytes,
+                "redis_bytes_per_task": round(redis_bytes / n),
                 "envelope_bytes": len(envelope_bytes(template, queue, ids[0], base_ms)),
                 "wall_s": round(wall, 3), "per_s_wall": round(n / wall),
                 "all_on_topic_s": round(t_all_on_topic - t0, 3),

@@ -6,8 +6,11 @@ further could skip a task still running if the worker died now.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+
+logger = logging.getLogger(__name__)
 
 
 class PartitionOffsets:
@@ -17,13 +20,19 @@ class PartitionOffsets:
         self._outstanding: deque[int] = deque()
         self._settled: set[int] = set()
         self._next: int | None = None  # offset to commit: first one not yet settled
+        self._last: int | None = None  # the last offset read
+
+    def follows(self, offset: int) -> bool:
+        """Whether ``offset`` comes after every offset read so far (Kafka's order within a partition)."""
+        return self._last is None or offset > self._last
 
     def add(self, offset: int) -> None:
-        if self._outstanding and offset <= self._outstanding[-1]:
-            raise ValueError(f"offset {offset} read after {self._outstanding[-1]}")
+        if not self.follows(offset):
+            raise ValueError(f"offset {offset} read after {self._last}")
         if not self._outstanding and self._next is None:
             self._next = offset
         self._outstanding.append(offset)
+        self._last = offset
 
     def settle(self, offset: int) -> None:
         self._settled.add(offset)
@@ -72,11 +81,22 @@ class OffsetTracker:
         return {key: p.committable for key, p in gone.items() if p.committable is not None}
 
     def add(self, key: tuple[str, int], offset: int) -> PartitionOffsets | None:
-        """Track a record read; None when its partition is not assigned (any more): drop it."""
+        """Track a record read; None when its partition is not assigned (any more): drop it.
+
+        A record at or before one already read means Kafka moved the partition back (its log
+        was truncated after a leader change, or the topic was recreated): the partition is
+        tracked afresh from it, as on a new assignment, so every record from there on is
+        tracked and committed in order, and the settles of those read before are ignored.
+        """
         with self._lock:
             partition = self._partitions.get(key)
-            if partition is not None:
-                partition.add(offset)
+            if partition is None:
+                return None
+            if not partition.follows(offset):
+                logger.warning("Kafka partition %s[%d] went back to offset %d: tracked afresh from there",
+                               *key, offset)
+                partition = self._partitions[key] = PartitionOffsets()
+            partition.add(offset)
             return partition
 
     def settle(self, partition: PartitionOffsets, offset: int) -> None:

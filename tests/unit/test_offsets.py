@@ -73,3 +73,24 @@ def test_records_settled_behind_a_slow_head_leave_the_unsettled_count_but_not_th
     assert t.committable() == {("t", 0): 10}
     t.settle(p, 10)
     assert t.unsettled() == 0 and t.backlogs() == {("t", 0): 0} and t.committable() == {("t", 0): 20}
+
+
+def test_a_partition_kafka_moves_back_is_tracked_afresh_and_none_of_its_records_is_dropped():
+    """Kafka rewinds a partition under an assignment (its log truncated after a leader change, or
+    the topic recreated): each record from there on is tracked and committed in order, and the
+    settles of those read before the rewind no longer move the commit."""
+    t = OffsetTracker()
+    t.assign([("t", 0)])
+    before = t.add(("t", 0), 10)
+    t.add(("t", 0), 11)
+    t.settle(before, 10)
+    after = [t.add(("t", 0), offset) for offset in (3, 4, 5)]
+    assert after[0] is not before and all(p is after[0] for p in after)
+    assert t.committable() == {("t", 0): 3} and t.unsettled() == 3
+    t.settle(before, 11)  # a task read before the rewind ends
+    assert t.committable() == {("t", 0): 3}
+    for offset in (4, 5):
+        t.settle(after[0], offset)
+    assert t.committable() == {("t", 0): 3}  # 3 still runs
+    t.settle(after[0], 3)
+    assert t.committable() == {("t", 0): 6} and t.unsettled() == 0

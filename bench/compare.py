@@ -1,10 +1,10 @@
-"""celery-delayed beside Celery's native ETA and celery-longterm-scheduler: the same tasks, the same run.
+"""celery-delayed beside Celery's native ETA and the Celery-ecosystem alternatives: the same tasks, one run.
 
 For each system and each N: one worker (prefork, 2 processes) is started, N no-op
 tasks are scheduled with ETAs spread uniformly over ``--window`` seconds from
 ``--lead`` seconds after the start, and each records its first start and how often
 it ran (``bench.compare_app``).  Halfway through the window the worker is restarted
-(SIGTERM, a new one), and a task sent without an ETA measures how long the new
+(SIGTERM to its main process, a warm shutdown; then a new one), and a task sent without an ETA measures how long the new
 worker takes to be running again while the scheduled tasks wait.  Reported: time
 to schedule, Redis memory they take, the worker's peak RSS (all its processes),
 tasks started on time (within 1 s of due), lag p50/p99/max, lost, duplicated.
@@ -21,7 +21,11 @@ Systems, each from the same demo servers and Celery settings (``task_acks_late``
   cron job its documentation asks for (cron's finest is 60 s);
 - **native-eta-limit**: Celery's ETA with ``worker_eta_task_limit`` (Celery >= 5.6: the
   worker holds at most that many ETA tasks, the others wait on the broker);
-- systems that cannot run here are listed with the reason (celery-redis-plus).
+- **celery-redis-plus**: its Redis transport keeps ETA tasks in a sorted set that the workers
+  move to the queue when due; it needs Python >= 3.13, so its cases run in a venv of Python 3.13
+  this benchmark makes (``.services/compare-py3.13``: the project at the tested versions and the
+  package; the client that schedules runs there too);
+- systems that cannot run here are listed with the reason.
 
     python -m bench.compare [--quick] [--tasks 100000 ...] [--window 600]
 
@@ -68,7 +72,11 @@ console = Console(width=None if Console().is_terminal else 160)
 PACKAGES = ROOT / ".services" / "compare-packages"
 #: celery-longterm-scheduler's store: "a dedicated redis database", as its documentation asks.
 LONGTERM_DB = f"redis://127.0.0.1:{os.environ.get('CD_REDIS_PORT', '6379')}/4"
+#: celery-redis-plus's broker: a database of its own, emptied after each case (its keys are its own).
+REDIS_PLUS_DB = f"redis://127.0.0.1:{os.environ.get('CD_REDIS_PORT', '6379')}/6"
 ON_TIME_MS = 1000
+#: This benchmark's Python (a system needing another runs its cases in a venv of that one).
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 @dataclass
@@ -78,7 +86,9 @@ class System:
     app: str  # bench.compare_app's COMPARE_SYSTEM
     overrides: dict[str, Any] = field(default_factory=dict)
     packages: tuple[str, ...] = ()  # from PyPI, installed into PACKAGES
+    python: str = ""  # the Python it needs when not this one (e.g. "3.13"): its cases run in a venv of it
     why_not: str | None = None  # set when it cannot run here
+    installed: dict[str, str] = field(default_factory=dict)  # versions in its venv, for the report
 
 
 def systems(opts: argparse.Namespace) -> list[System]:
@@ -90,7 +100,10 @@ def systems(opts: argparse.Namespace) -> list[System]:
         System("longterm-scheduler", f"celery-longterm-scheduler 1.3.1; its scheduler run every {opts.cron} s "
                "(a cron job; cron's finest is 60 s)", "longterm-scheduler",
                {"longterm_scheduler_backend": LONGTERM_DB}, ("celery-longterm-scheduler==1.3.1", "pendulum")),
-        System("celery-redis-plus", "delayed delivery in the Redis transport", "", packages=("celery-redis-plus",)),
+        System("celery-redis-plus", "its Redis transport (ETA tasks in a sorted set, moved to the queue by the "
+               "workers when due), Python 3.13", "native",
+               {"broker_url": REDIS_PLUS_DB, "broker_transport": "celery_redis_plus.transport:Transport"},
+               ("celery-redis-plus==0.4.1",), python="3.13"),
     ]
     from celery.app.defaults import DEFAULTS
     limit = System("native-eta-limit", f"Celery ETA, worker_eta_task_limit {opts.eta_limit} (Celery >= 5.6)",
@@ -103,7 +116,11 @@ def systems(opts: argparse.Namespace) -> list[System]:
 
 def install(system: System) -> None:
     """Install a system's PyPI packages into :data:`PACKAGES` (the project's dependencies are shared),
-    or say in ``why_not`` why they cannot be installed."""
+    or, for a system needing another Python, into a venv of that Python with the project (at the
+    tested versions); or say in ``why_not`` why they cannot be installed."""
+    if system.python and system.python != PYTHON:
+        _install_venv(system)
+        return
     if not system.packages or system.why_not:
         return
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PACKAGES),
@@ -115,6 +132,61 @@ def install(system: System) -> None:
                           else f"cannot be installed here: {lines[-1] if lines else '?'}")
     elif not system.app:
         system.why_not = "installed, but this benchmark does not configure it yet"
+
+
+def venv_python(version: str) -> Path:
+    """The interpreter of the benchmark's venv of Python ``version`` (under ``.services/``)."""
+    return ROOT / ".services" / f"compare-py{version}" / "bin" / "python"
+
+
+def _interpreter(version: str) -> str | None:
+    """A Python ``version`` that runs on this machine: one pyenv installed, or one on the PATH (a pyenv
+    shim on the PATH answers for versions it does not serve, so each is tried)."""
+    candidates = [str(p) for p in sorted(Path.home().glob(f".pyenv/versions/{version}*/bin/python{version}"))]
+    candidates += [found] if (found := shutil.which(f"python{version}")) else []
+    return next((c for c in candidates
+                 if subprocess.run([c, "-c", "pass"], capture_output=True).returncode == 0), None)
+
+
+def _install_venv(system: System) -> None:
+    """Create (once) the venv of ``system.python`` with the project and the system's packages."""
+    python = venv_python(system.python)
+    if not python.exists():
+        interpreter = _interpreter(system.python)
+        if interpreter is None:
+            system.why_not = f"needs Python {system.python}, not found on this machine"
+            return
+        subprocess.run([interpreter, "-m", "venv", str(python.parent.parent)], check=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+                           "-e", str(ROOT), *system.packages], capture_output=True, text=True)
+    if done.returncode:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        system.why_not = f"cannot be installed in Python {system.python}: {lines[-1] if lines else '?'}"
+        return
+    names = [package.split("=")[0] for package in system.packages]
+    report = subprocess.run([str(python), "-c", "import sys, platform; from importlib.metadata import version; "
+                             "print(platform.python_version(), *(version(n) for n in sys.argv[1:]))", *names],
+                            capture_output=True, text=True, check=True).stdout.split()
+    system.installed = {f"{system.name} python": report[0], **dict(zip(names, report[1:]))}
+
+
+def run_elsewhere(system: System, n: int, opts: argparse.Namespace, progress: Progress,
+                  logdir: Path) -> dict[str, Any]:
+    """One case of a system that needs another Python, run by this benchmark in that Python's venv
+    (:func:`run_one`), its figures read back."""
+    job = progress.add_task(f"{system.name}: {n:,} tasks, in Python {system.python}", total=None)
+    out = logdir / f"case-{system.name}-{n}.json"
+    args = ["--run-one", system.name, "--tasks", str(n), "--out", str(out)]
+    for name in ("window", "lead", "grace", "visibility", "cron", "eta_limit", "restart_timeout"):
+        args += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]
+    with open(logdir / f"case-{system.name}-{n}.log", "wb") as log:
+        done = subprocess.run([str(venv_python(system.python)), "-m", "bench.compare", *args], cwd=ROOT,
+                              stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = (logdir / f"case-{system.name}-{n}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{system.name} at N = {n} failed in Python {system.python}:\n{tail}")
+    progress.remove_task(job)
+    return json.loads(out.read_text())
 
 
 def session_rss(pid: int) -> int:
@@ -158,7 +230,7 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
     """One system with N tasks: schedule, restart the worker halfway, wait for every task; the figures."""
     overrides = {**new_overrides(partitions=8), **system.overrides}
     env = {"COMPARE_SYSTEM": system.app, "PYTHONPATH": os.pathsep.join([str(ROOT), str(PACKAGES)])}
-    if system.packages:
+    if system.packages and not system.python:
         sys.path.insert(0, str(PACKAGES))
     app = create_app(system.app, **overrides)
     noop = app.tasks["compare.noop"]
@@ -276,6 +348,8 @@ def _clean(system: System, overrides: dict[str, Any], records: redis.Redis, run:
         remove_everything(settings, [settings.topic(overrides["task_default_queue"])])
     if system.app == "longterm-scheduler":
         redis.Redis.from_url(LONGTERM_DB).flushdb()  # its own database, as its documentation asks
+    if system.name == "celery-redis-plus":
+        redis.Redis.from_url(REDIS_PLUS_DB).flushdb()
 
 
 # -- report --------------------------------------------------------------------
@@ -364,21 +438,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cron", type=float, default=60.0, help="longterm-scheduler's scheduler interval (s)")
     parser.add_argument("--eta-limit", type=int, default=1000, help="native-eta-limit's worker_eta_task_limit")
     parser.add_argument("--only", nargs="+", help="run these systems only")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)  # run_elsewhere: one case of this system, in this Python
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # ... its figures written here as JSON
+    parser.add_argument("--restart-timeout", type=float, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.tasks, opts.window, opts.lead, opts.grace, opts.visibility, opts.cron = [1500], 12.0, 8.0, 8.0, 5, 5.0
-    opts.restart_timeout = min(900.0, max(60.0, max(opts.tasks) / 200))  # None in the table past it
+    if opts.restart_timeout is None:
+        opts.restart_timeout = min(900.0, max(60.0, max(opts.tasks) / 200))  # None in the table past it
     return opts
+
+
+def run_one(opts: argparse.Namespace) -> int:
+    """The one case :func:`run_elsewhere` asked this Python for, its figures written to ``opts.out``."""
+    (system,) = [s for s in systems(opts) if s.name == opts.run_one]
+    with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp, \
+            Progress(TextColumn("{task.description}"), console=console) as progress:
+        result = run_case(system, opts.tasks[0], opts, progress, Path(tmp))
+    opts.out.write_text(json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.run_one:  # the parent holds the benchmarks' lock
+        return run_one(opts)
     with exclusive("bench.compare"):
         found = versions()
         chosen = [s for s in systems(opts) if not opts.only or s.name in opts.only]
         for system in chosen:
             install(system)
-        found |= _package_versions()
+        found |= _package_versions() | {k: v for s in chosen for k, v in s.installed.items()}
         console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()))
         runnable = [s for s in chosen if not s.why_not]
         results: list[dict[str, Any]] = []
@@ -388,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                          console=console) as progress:
             for n in opts.tasks:
                 for system in runnable:
-                    results.append(run_case(system, n, opts, progress, Path(tmp)))
+                    case = run_elsewhere if system.python and system.python != PYTHON else run_case
+                    results.append(case(system, n, opts, progress, Path(tmp)))
                     partial.write_text(json.dumps(results))  # a later case that fails keeps these
         partial.unlink()
         table = report(results, [s for s in chosen if s.why_not], opts)

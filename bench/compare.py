@@ -243,7 +243,7 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
     try:
         if system.app == "celery-delayed":
             procs.start("poller", "delayed", "poller", "-l", "INFO", env=env)
-        worker = _worker(procs, env)
+        worker = start_worker(procs, env)
         sampler.pid = worker.pid
         sampler.start()
         memory = records.info("memory")["used_memory"]
@@ -261,10 +261,10 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
         if scheduler:
             scheduler.start()
         restart_at = first_due + opts.window / 2
-        _wait_runs(records, run, n, restart_at, progress, f"{system.name}: run, until the restart")
+        wait_runs(records, run, n, restart_at, progress, f"{system.name}: run, until the restart")
         restart_s = _restart(procs, env, noop, records, sampler, opts.restart_timeout)
         deadline = first_due + opts.window + opts.grace + (opts.cron if scheduler else 0)
-        _wait_runs(records, run, n, deadline, progress, f"{system.name}: run")
+        wait_runs(records, run, n, deadline, progress, f"{system.name}: run")
         time.sleep(2)  # a duplicate may still land
         runs, lags, _ = read_run(records, run)
         return {"system": system.name, "tasks": n, "schedule_s": round(schedule_s, 1),
@@ -282,15 +282,21 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
         _clean(system, overrides, records, run)
 
 
-def _worker(procs: Processes, env: dict[str, str]) -> subprocess.Popen:
-    worker = procs.worker("compare", "-c", "2", env=env)
+def start_worker(procs: Processes, env: dict[str, str], name: str = "compare") -> subprocess.Popen:
+    """A worker of the compare app (prefork -c 2), once it is ready."""
+    worker = procs.worker(name, "-c", "2", env=env)
     wait_for(lambda: "ready." in procs.log(worker), 60, "the worker to start")
     return worker
 
 
-def _wait_runs(records: redis.Redis, run: str, n: int, until: float, progress: Progress, label: str) -> None:
+def wait_runs(records: redis.Redis, run: str, n: int, until: float, progress: Progress, label: str,
+              procs: Processes | None = None) -> None:
+    """Until ``until`` (epoch s) or all N tasks of the run started, with a progress bar; ``procs``
+    given, fail as soon as one of its processes exited."""
     job = progress.add_task(label, total=n)
     while time.time() < until:
+        if procs is not None:
+            procs.check_alive()
         done = records.hlen(f"compare:{run}:runs")
         progress.update(job, completed=done)
         if done >= n:

@@ -43,13 +43,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from bench.common import RESULTS, exclusive, new_overrides, save_figure, summary, versions
-from bench.compare import RssSampler
+from bench.compare import RssSampler, start_worker, wait_runs
 from bench.compare_app import RECORDS, create_app, read_run, run_keys
 from bench.dispatch import Profile, capture_template, git_state, throughput
 from celery_delayed import apply_many
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
-from tasks.processes import Processes, wait_for
+from tasks.processes import Processes
 
 console = Console(width=None if Console().is_terminal else 160)
 #: Signatures per ``apply_many`` call: the results of each are dropped, so the client's memory stays flat.
@@ -91,8 +91,7 @@ def end_to_end(opts: argparse.Namespace, progress: Progress, logdir: Path) -> di
     try:
         started = {"poller": procs.start("poller", "delayed", "poller", "-l", "INFO", env=env)}
         for k in range(opts.workers):
-            started[f"worker w{k + 1}"] = worker = procs.worker(f"w{k + 1}", "-c", "2", env=env)
-            wait_for(lambda: "ready." in procs.log(worker), 120, "a worker to start")
+            started[f"worker w{k + 1}"] = start_worker(procs, env, name=f"w{k + 1}")
         for name, proc in started.items():
             samplers[name] = RssSampler()
             samplers[name].pid = proc.pid
@@ -101,15 +100,10 @@ def end_to_end(opts: argparse.Namespace, progress: Progress, logdir: Path) -> di
         began = time.time()
         first_due = began + opts.lead
         schedule_s = send(app, run, n, first_due, window, progress, f"end to end: schedule {n:,}")
-        job = progress.add_task(f"end to end: run (due over {window:,.0f} s)", total=n)
-        deadline = first_due + window + opts.grace
-        while (done := records.hlen(f"compare:{run}:runs")) < n and time.time() < deadline:
-            procs.check_alive()
-            progress.update(job, completed=done)
-            time.sleep(0.5)
+        wait_runs(records, run, n, first_due + window + opts.grace, progress,
+                  f"end to end: run (due over {window:,.0f} s)", procs)
         time.sleep(2)  # a duplicate may still land
         runs, lags, per_s = read_run(records, run)
-        progress.update(job, completed=len(runs))
         lags.sort()
         return {"tasks": n, "workers": opts.workers, "rate": opts.rate, "window_s": round(window, 1),
                 "schedule_s": round(schedule_s, 1), "schedule_per_s": round(n / schedule_s),

@@ -16,11 +16,12 @@ logger = logging.getLogger(__name__)
 class PartitionOffsets:
     """Outstanding offsets of one assigned partition, in the order they were read."""
 
-    def __init__(self) -> None:
+    def __init__(self, before: PartitionOffsets | None = None) -> None:
         self._outstanding: deque[int] = deque()
         self._settled: set[int] = set()
         self._next: int | None = None  # offset to commit: first one not yet settled
         self._last: int | None = None  # the last offset read
+        self._before = before  # what was read before Kafka moved the partition back here (see cut)
 
     def follows(self, offset: int) -> bool:
         """Whether ``offset`` comes after every offset read so far (Kafka's order within a partition)."""
@@ -34,7 +35,19 @@ class PartitionOffsets:
         self._outstanding.append(offset)
         self._last = offset
 
+    def cut(self, offset: int) -> None:
+        """Kafka moved the partition back to ``offset``: the records read from there on are gone from
+        its log (their settles are ignored); those below it are still there, and hold the commit back
+        until they settle (a truncation seeks to where the logs diverge, above a long-running task)."""
+        while self._outstanding and self._outstanding[-1] >= offset:
+            self._settled.discard(self._outstanding.pop())
+        self._last = offset - 1
+        if self._before is not None:
+            self._before.cut(offset)
+
     def settle(self, offset: int) -> None:
+        if not self._outstanding or not self._outstanding[0] <= offset <= self._last:
+            return  # cut off by a rewind
         self._settled.add(offset)
         while self._outstanding and self._outstanding[0] in self._settled:
             done = self._outstanding.popleft()
@@ -44,18 +57,29 @@ class PartitionOffsets:
     @property
     def committable(self) -> int | None:
         """Offset to commit (Kafka's convention: the next one to read), or None if nothing read."""
+        earlier = self._earlier()
+        if earlier is not None:
+            return earlier.committable
         if self._outstanding:
             return self._outstanding[0]
         return self._next
 
     def __len__(self) -> int:
         """Records read and not yet committable: unsettled ones, and settled ones behind them."""
-        return len(self._outstanding)
+        earlier = self._earlier()
+        return len(self._outstanding) + (len(earlier) if earlier is not None else 0)
 
     @property
     def unsettled(self) -> int:
         """Records read and not settled yet (what a worker holds)."""
-        return len(self._outstanding) - len(self._settled)
+        earlier = self._earlier()
+        return len(self._outstanding) - len(self._settled) + (earlier.unsettled if earlier is not None else 0)
+
+    def _earlier(self) -> PartitionOffsets | None:
+        """The records read before Kafka moved the partition back, while any is not committable."""
+        if self._before is not None and not len(self._before):
+            self._before = None
+        return self._before
 
 
 class OffsetTracker:
@@ -85,8 +109,9 @@ class OffsetTracker:
 
         A record at or before one already read means Kafka moved the partition back (its log
         was truncated after a leader change, or the topic was recreated): the partition is
-        tracked afresh from it, as on a new assignment, so every record from there on is
-        tracked and committed in order, and the settles of those read before are ignored.
+        tracked afresh from it, so every record from there on is tracked and committed in
+        order; of those read before, the ones from that offset on are gone from the log (their
+        settles are ignored) and the ones below it still hold the commit back until they settle.
         """
         with self._lock:
             partition = self._partitions.get(key)
@@ -95,7 +120,8 @@ class OffsetTracker:
             if not partition.follows(offset):
                 logger.warning("Kafka partition %s[%d] went back to offset %d: tracked afresh from there",
                                *key, offset)
-                partition = self._partitions[key] = PartitionOffsets()
+                partition.cut(offset)
+                partition = self._partitions[key] = PartitionOffsets(before=partition)
             partition.add(offset)
             return partition
 

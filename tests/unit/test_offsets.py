@@ -94,3 +94,27 @@ def test_a_partition_kafka_moves_back_is_tracked_afresh_and_none_of_its_records_
     assert t.committable() == {("t", 0): 3}  # 3 still runs
     t.settle(after[0], 3)
     assert t.committable() == {("t", 0): 6} and t.unsettled() == 0
+
+
+def test_records_below_where_kafka_moved_back_still_hold_the_commit_until_they_settle():
+    """librdkafka seeks a truncated partition to where the logs diverge, which can be above a task
+    still running: that record is still in the log, so the commit must not pass it (were the worker
+    killed, nothing would read it again, and the store forgot it once Kafka had it)."""
+    t, key = OffsetTracker(), ("t", 0)
+    t.assign([key])
+    before = [t.add(key, offset) for offset in range(12)][0]
+    for offset in range(12):
+        if offset != 5:  # 5: a long task
+            t.settle(before, offset)
+    after = t.add(key, 9)  # the log truncated to 0..8 after an unclean leader change, 9 and 10 new
+    t.add(key, 10)
+    t.settle(after, 9)
+    t.settle(after, 10)
+    t.settle(before, 10)  # the old record 10, gone from the log, ends: nothing to commit for it
+    assert t.committable() == {key: 5} and t.unsettled() == 1 and t.backlogs() == {key: 4}
+    t.settle(before, 5)
+    assert t.committable() == {key: 11} and t.unsettled() == 0
+    again = t.add(key, 0)  # moved back below everything (the topic recreated)
+    assert t.committable() == {key: 0}
+    t.settle(again, 0)
+    assert t.revoke([key]) == {key: 1}

@@ -309,7 +309,9 @@ def _restart(procs: Processes, env: dict[str, str], noop: Any, records: redis.Re
              timeout: float) -> float | None:
     """Warm-shut the worker down, start a new one, and time a task sent without an ETA: seconds from
     the new worker's start until that task started (None: not within ``timeout``)."""
-    procs.warm_stop(procs.procs[-1][0])
+    status = procs.warm_stop(procs.procs[-1][0])
+    if status != 0:
+        console.print(f"[yellow]the worker did not stop warm (exit status {status}): tasks it ran may run again")
     started = time.time()
     worker = procs.worker("compare", "-c", "2", env=env)
     sampler.pid = worker.pid

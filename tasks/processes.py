@@ -88,6 +88,8 @@ class Processes:
             self._stopped.add(proc.pid)
             if proc.poll() is None:
                 _signal(proc.pid, signal.SIGTERM)
+            else:  # its main process is gone (killed, crashed): what it left in its group goes too
+                _signal(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout
         for proc, _ in self.procs:
             try:

@@ -221,6 +221,17 @@ def parse_when(text: str | None, now_ms: int) -> int | None:
                          "or now+10m)") from None
 
 
+def parse_move(eta: str | None, shift: str | None, now_ms: int) -> tuple[int | None, int | None]:
+    """How an operator asked to move tasks, as ``(to_ms, shift_ms)``: to a new due time (``eta``, as
+    :func:`parse_when` reads it) or by a shift (as :func:`parse_seconds` reads it); exactly one."""
+    to_ms = parse_when(eta, now_ms)
+    shift_ms = parse_seconds(shift.strip()) * 1000 if shift and shift.strip() else None
+    if (to_ms is None) == (shift_ms is None):
+        raise ValueError("give a new due time (eta: ISO 8601, ms since the epoch, now+10m) or a shift "
+                         "(90, 90m, -1h), not both")
+    return to_ms, shift_ms
+
+
 def parse_seconds(text: str) -> int:
     """``+90``, ``90s``, ``-10m``, ``2h``, ``1d``: whole seconds (a shift)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}

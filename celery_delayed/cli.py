@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import browse, store_of
-from .browse import Filter, parse_seconds, parse_when
+from .browse import Filter, parse_move, parse_when
 from .dlq import DeadLetterError, DeadLetters
 from .layout import iso_of
 from .outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
@@ -178,8 +178,8 @@ def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
     if not yes:
         click.confirm(f"This will {verb} {matched} scheduled tasks ({what}). Go on?", abort=True)
     with _progress(verb) as progress, _store_errors():
-        totals = act(progress)
-    click.echo(", ".join(f"{k} {v}" for k, v in totals.items()))
+        counted = act(progress)
+    click.echo(", ".join(f"{k} {v}" for k, v in counted.items()))
 
 
 @contextmanager
@@ -241,8 +241,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
         raise click.UsageError("give --eta or --shift")
     store = _load(ctx)[1]
     with _store_errors():
-        to_ms = parse_when(eta, store.now_ms()) if eta else None
-        shift_ms = parse_seconds(shift) * 1000 if shift else None
+        to_ms, shift_ms = parse_move(eta, shift, store.now_ms())
     flt = _bulk_filter(store, fields)
     if flt is not None:
         if task_id or key:

@@ -27,7 +27,7 @@ import redis
 import tornado.web
 from tornado.ioloop import IOLoop
 
-from ..browse import Filter, parse_seconds, parse_when
+from ..browse import Filter, parse_move, parse_when
 from ..outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
 from .views import Job, Views
 
@@ -213,15 +213,12 @@ class TaskAction(Base):
 class Bulk(Base):
     async def post(self) -> None:
         now_ms = await self.call(self.views.store.now_ms)
-        shift, eta = self.arg("shift"), self.arg("eta")
         action = self.get_argument("action", "count")
         try:
-            shift_ms = parse_seconds(shift) * 1000 if shift else None
-            to_ms = parse_when(eta, now_ms)
+            to_ms, shift_ms = parse_move(self.arg("eta"), self.arg("shift"), now_ms) \
+                if action == "reschedule" else (None, None)
         except ValueError as exc:
             raise Problem(400, str(exc)) from None
-        if action == "reschedule" and (shift_ms is None) == (to_ms is None):
-            raise Problem(400, "reschedule needs shift (seconds) or eta (a time), not both")
         job: Job = await self.call(self.views.bulk, action, self.filter(now_ms), shift_ms, to_ms, self.arg("confirm"))
         if self.api:
             return self.answer("", job.describe(), status=202)

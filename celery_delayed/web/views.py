@@ -107,11 +107,8 @@ class Views:
         return {"task_id": task_id, "outcome": "cancelled" if outcome is Change.DONE else "revoked in the workers"}
 
     def reschedule(self, task_id: str, eta: str | None, shift: str | None) -> dict[str, Any]:
-        """Move a task to ``eta`` (a time as :func:`.browse.parse_when` reads it) or by ``shift``."""
-        if (eta is None) == (shift is None):
-            raise ValueError("give eta (a time) or shift (seconds, 90m, -1h), not both")
-        to_ms = browse.parse_when(eta, self.store.now_ms())
-        shift_ms = browse.parse_seconds(shift) * 1000 if shift else None
+        """Move a task to ``eta`` or by ``shift`` (as :func:`.browse.parse_move` reads them)."""
+        to_ms, shift_ms = browse.parse_move(eta, shift, self.store.now_ms())
         due_ms = browse.move(self.store, task_id, to_ms=to_ms, shift_ms=shift_ms)
         return {"task_id": task_id, "due_ms": due_ms}
 

@@ -3,7 +3,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.browse import Filter, parse_seconds, parse_when
+from celery_delayed.browse import Filter, parse_move, parse_seconds, parse_when
 
 NOW = 1_800_000_000_000
 JAN_15 = int(datetime(2027, 1, 15, 8, tzinfo=timezone.utc).timestamp() * 1000)
@@ -27,6 +27,20 @@ def test_shifts(text, seconds):
 def test_what_is_not_a_time_is_named(bad, message):
     with pytest.raises(ValueError, match=message):
         parse_when(bad, NOW)
+
+
+@pytest.mark.parametrize("eta, shift, expected", [
+    ("now+1m", None, (NOW + 60_000, None)), (None, "-1h", (None, -3_600_000)), ("now", "", (NOW, None)),
+    ("", " 90 ", (None, 90_000)),
+])
+def test_a_move_is_a_new_due_time_or_a_shift(eta, shift, expected):
+    assert parse_move(eta, shift, NOW) == expected
+
+
+@pytest.mark.parametrize("eta, shift", [("now", "1m"), (None, None), ("", " ")])
+def test_a_move_needs_exactly_one_of_a_time_and_a_shift(eta, shift):
+    with pytest.raises(ValueError, match="a new due time .* or a shift .*, not both"):
+        parse_move(eta, shift, NOW)
 
 
 def test_a_filter_matches_on_every_field_given_and_refuses_an_empty_window():

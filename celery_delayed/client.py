@@ -24,6 +24,7 @@ from celery import current_task
 from celery.app.amqp import AMQP
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
+from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
@@ -68,6 +69,10 @@ class DelayedAMQP(AMQP):
                                   and KEY_HEADER not in (options.get("headers") or {})):  # a keyed one meets its key
                 if batch := self._batch():
                     batch.bypass()  # what is batched is stored before this goes out
+                if _is_own_retry(task_id := message.headers.get("id")):  # as its store write (_write) is
+                    return write_retrying(send, (producer, name, message), options, forever=True,
+                                          errors=(OperationalError, *producer.connection.recoverable_connection_errors),
+                                          failed=f"the retry of task {task_id} cannot reach Celery's broker")
                 return send(producer, name, message, **options)
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
             if batch := self._batch():  # the task-sent event waits for the batch's write
@@ -199,14 +204,14 @@ class _StoreProducer:
         """Store the task, retrying an unreachable store by the publish retry policy.
 
         The retry of the task running here is retried until it is stored, whether
-        Kafka or Celery's broker delivered it (a task due sooner than
-        ``delayed_min_delay`` goes to the broker, its retry to the store): given up,
-        Celery would fail the task for good (``Task.retry`` turns the error into
-        ``Reject(requeue=False)``), while the task was never done.
+        Kafka or Celery's broker delivered it: given up, Celery would fail the task
+        for good (``Task.retry`` turns the error into ``Reject(requeue=False)``),
+        while the task was never done.  A retry due sooner than ``delayed_min_delay``
+        goes to Celery's broker instead, its publish retried the same way.
         A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
         Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it.
         """
-        own_retry = _is_own_retry(envelope)
+        own_retry = _is_own_retry(envelope.task_id)
         attempt = attempt_of(envelope.headers)
         keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
         key, mode = keyed or (None, None)
@@ -274,6 +279,6 @@ def key_of(headers: dict) -> tuple[str, str] | None:
     return key, mode
 
 
-def _is_own_retry(envelope: Envelope) -> bool:
-    """Whether this message is the retry of the task a worker runs here (:func:`.once.executing`)."""
-    return bool(current_task) and executing(current_task.request, envelope.task_id)
+def _is_own_retry(task_id: str | None) -> bool:
+    """Whether a message of ``task_id`` is the retry of the task a worker runs here (:func:`.once.executing`)."""
+    return bool(current_task) and task_id is not None and executing(current_task.request, task_id)

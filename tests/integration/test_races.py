@@ -93,15 +93,19 @@ def test_a_retry_written_before_the_pollers_ack_of_its_first_copy_runs(overrides
     assert runs(app, run) == {result.id: 2}
 
 
-def test_a_retry_while_the_stores_redis_restarts_is_stored_once_it_is_back(overrides, processes, servers):
+@pytest.mark.parametrize("countdown", [2.0, 0.0], ids=["to-the-store", "to-the-broker"])
+def test_a_retry_while_the_stores_redis_restarts_is_stored_once_it_is_back(overrides, processes, servers,
+                                                                          countdown):
     """Tasks in their first attempt retry while Redis (store, broker and results) is down for
-    ~10 s: the retry's store write is retried until Redis is back, never given up as a failure."""
+    ~10 s: the retry's write is retried until Redis is back, never given up as a failure.  A
+    retry due sooner than delayed_min_delay goes to Celery's broker: its publish too."""
     servers.require_ours("redis")
     app = create_app(**overrides)
     run = uuid.uuid4().hex
     processes.poller()
     processes.worker("w1", "-c", "4")
-    results = [app.tasks["tasks.demo.flaky"].apply_async((run, 1, 2.0, 3.0), countdown=1.5) for _ in range(4)]
+    results = [app.tasks["tasks.demo.flaky"].apply_async((run, 1, countdown, 3.0), countdown=1.5)
+               for _ in range(4)]
     wait_for(lambda: len(runs(app, run)) == 4, 60, "the four tasks to start their first attempt")
     servers.stop("redis")  # while they sleep: each retries when Redis is down
     time.sleep(10)

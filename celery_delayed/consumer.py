@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 #: Unsettled records a worker holds when Celery's prefetch limit is unlimited.
 DEFAULT_MAX_UNSETTLED = 1000
 COMMIT_INTERVAL = 0.5
+#: Hand-overs of one record to Celery failing by an error of no known transient kind (a second
+#: apart) before that record is dead-lettered instead of holding up every one behind it.
+UNEXPECTED_TRIES = 5
 #: Longest the consumer goes without polling Kafka while the worker is full (s);
 #: well under librdkafka's max.poll.interval.ms (300 s).
 MAX_POLL_GAP = 60.0
@@ -356,7 +359,10 @@ class KafkaFeed:
         A record whose hand-over fails for a reason outside the message (Redis,
         the result backend or the broker unreachable) is tried again a second
         later, before any record behind it; only a message that can never run
-        goes to the dead-letter queue (in :meth:`_dispatch`).
+        goes to the dead-letter queue (in :meth:`.Intake.dispatch`).  An error of
+        no known transient kind is tried :data:`UNEXPECTED_TRIES` times, then the
+        record is dead-lettered naming it: one record must not stop every one
+        behind it for good.
         """
         while True:
             if not self._reading.is_set():  # stopped: left for redelivery
@@ -370,11 +376,24 @@ class KafkaFeed:
             try:
                 self.intake.dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
-                logger.warning("task delivery deferred 1 s: %r", exc)
-                with self._ready_lock:
-                    self._ready.appendleft(arrival)
-                self.c.hub.call_later(1.0, self._drain)
-                return
+                arrival.tries += 0 if isinstance(exc, TRANSIENT_ERRORS) else 1
+                if arrival.tries < UNEXPECTED_TRIES or not self._give_up(arrival, exc):
+                    logger.warning("task delivery deferred 1 s: %r", exc)
+                    with self._ready_lock:
+                        self._ready.appendleft(arrival)
+                    self.c.hub.call_later(1.0, self._drain)
+                    return
+
+    def _give_up(self, arrival: Arrival, exc: Exception) -> bool:
+        """Dead-letter a record whose hand-over failed :data:`UNEXPECTED_TRIES` times by an error of
+        no known transient kind; False when that fails too (tried again)."""
+        try:
+            self.intake.give_up(arrival, f"could not be handed to Celery: {exc!r}",
+                                "".join(traceback.format_exception(exc)))
+            return True
+        except Exception as again:
+            logger.warning("could not dead-letter a record that cannot be handed to Celery: %r", again)
+            return False
 
 
 def _names(partitions: list[TopicPartition]) -> list[str]:

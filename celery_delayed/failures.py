@@ -57,20 +57,46 @@ def park_failures(app: Celery) -> None:
     signals.task_failure.connect(on_failure, weak=False)
 
 
+#: Task ids whose dead letter a background thread is writing; guarded by :data:`_parking_lock`.
+_parking: dict[str, int] = {}
+_parking_lock = threading.Lock()
+
+
+def parking(task_id: str) -> bool:
+    """Whether the dead letter of ``task_id`` is being written in the background: its Kafka record
+    must stay unsettled until it is, or a worker that died meanwhile would leave it nowhere."""
+    with _parking_lock:
+        return task_id in _parking
+
+
 def _park(dead_letters: DeadLetters, letter: DeadLetter, in_pool: bool) -> None:
     """Add ``letter``, retrying while the store is down (every 2 s at most, logged), as the retry
     of a running task is: given up, nothing else would park it.  In the pool child that ran the
     task (``in_pool``) it is done before its message is acknowledged; anywhere else (the worker's
-    main process, whose event loop must not stall, for a hard time limit or a lost pool child; an
-    eager call) in a daemon thread."""
+    main process, whose event loop must not stall, for a hard time limit or a ``Reject``; an eager
+    call) in a daemon thread, the task id :func:`parking` meanwhile (Celery sends ``task_failure``
+    there before it acknowledges the message, and the intake holds the record until then)."""
     if not in_pool:
-        threading.Thread(target=_park, args=(dead_letters, letter, True), name="delayed-park", daemon=True).start()
+        with _parking_lock:
+            _parking[letter.task_id] = _parking.get(letter.task_id, 0) + 1
+        threading.Thread(target=_park_in_background, args=(dead_letters, letter), name="delayed-park",
+                         daemon=True).start()
         return
     try:
         write_retrying(dead_letters.add, (letter,), forever=True,
                        failed=f"task {letter.task_id} failed for good, but the dead-letter queue cannot be written")
     except Exception:  # not a store outage: the failure itself is already recorded by Celery
         logger.exception("could not park failed task %s in the dead-letter queue", letter.task_id)
+
+
+def _park_in_background(dead_letters: DeadLetters, letter: DeadLetter) -> None:
+    try:
+        _park(dead_letters, letter, in_pool=True)
+    finally:
+        with _parking_lock:
+            _parking[letter.task_id] -= 1
+            if not _parking[letter.task_id]:
+                del _parking[letter.task_id]
 
 
 def after_body(traceback: str | None) -> bool:

@@ -25,8 +25,9 @@ from kombu.serialization import prepare_accept_content
 from . import metrics
 from .dlq import DeadLetter, DeadLetters, reason_of
 from .envelope import Envelope
+from .failures import parking
 from .kafka import CLAIMED_HEADER, DUE_HEADER
-from .layout import iso_of
+from .layout import MAX_DUE_MS, iso_of
 from .offsets import OffsetTracker, PartitionOffsets
 from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admit, RunClaims, Verdict, attempt_of
 from .outcomes import STORE_ERRORS
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
 #: Anything else Celery's strategy raises is about the message itself, which can never run.
+#: How often (s) a record that ended waits for its dead letter being written to be, before it settles.
+PARK_CHECK = 0.5
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 
 
@@ -114,46 +117,58 @@ class Intake:
                 self._untrack(task_id)
                 raise
 
+    def give_up(self, arrival: Arrival, reason: str, tb: str) -> None:
+        """Dead-letter a record :meth:`dispatch` failed on again and again, by no fault it knows, its
+        run claim given up."""
+        if arrival.verdict is not None and arrival.verdict.admit is Admit.RUN:
+            self._release(arrival.envelope.task_id)
+        self._dead_letter(arrival.record, arrival.partition, reason, tb)
+
     def _run_claimed(self, arrival: Arrival) -> None:
         """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
-        record, partition, envelope, headers = arrival.record, arrival.partition, arrival.envelope, arrival.headers
+        record, partition, envelope = arrival.record, arrival.partition, arrival.envelope
         task_id, offset = envelope.task_id, record.offset()
-        # Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
-        # where the process running it finds it for request.eta, remembers when it finished,
-        # and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
-        # due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
-        marks = _record_headers(record)
-        due_ms = marks.get(DUE_HEADER)
-        eta = iso_of(due_ms)
-        headers.pop("eta", None)
-        if due_ms is not None and due_ms > time.time() * 1000 + 1:
-            headers["eta"] = eta
-        headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": marks.get(CLAIMED_HEADER),
-                               "produced": record.timestamp()[1], "read": arrival.read_ms,
-                               "handed": int(time.time() * 1000)}
-        message = Message(body=envelope.body, content_type=envelope.content_type,
-                          content_encoding=envelope.content_encoding, headers=headers,
-                          properties=envelope.properties, accept=self.accept, channel=None,
-                          delivery_info={"exchange": envelope.exchange,
-                                         "routing_key": envelope.routing_key or envelope.queue})
 
         def on_ack(log: Any = None, errors: Any = None) -> None:
             self._release(task_id)
-            self._settle(partition, offset)
+            self._settle_once_parked(task_id, partition, offset)
 
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
             self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
                 self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
             else:
-                self._settle(partition, offset)
+                self._settle_once_parked(task_id, partition, offset)
 
         try:
-            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+            arrival.strategy(self._message(arrival), None, on_ack, on_reject, self.c.on_task_message)
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:
             raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
+
+    def _message(self, arrival: Arrival) -> Message:
+        """The kombu message Celery's strategy takes, from a record's envelope and headers.
+
+        Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
+        where the process running it finds it for request.eta, remembers when it finished,
+        and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
+        due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
+        """
+        record, envelope, headers = arrival.record, arrival.envelope, arrival.headers
+        marks = _record_headers(record)
+        due_ms, claimed_ms, now_ms = marks.get(DUE_HEADER), marks.get(CLAIMED_HEADER), int(time.time() * 1000)
+        eta = iso_of(due_ms)
+        headers.pop("eta", None)
+        if (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
+            headers["eta"] = iso_of(start_ms)
+        headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": claimed_ms,
+                               "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms}
+        return Message(body=envelope.body, content_type=envelope.content_type,
+                       content_encoding=envelope.content_encoding, headers=headers,
+                       properties=envelope.properties, accept=self.accept, channel=None,
+                       delivery_info={"exchange": envelope.exchange,
+                                      "routing_key": envelope.routing_key or envelope.queue})
 
     def let_go(self, running: set[str]) -> None:
         """Once the feed stopped: wait for the tasks in hand that run (``draining``) and stop
@@ -242,6 +257,15 @@ class Intake:
         metrics.DEAD_LETTERED.labels("worker").inc()
         self._settle(partition, record.offset())
 
+    def _settle_once_parked(self, task_id: str, partition: PartitionOffsets, offset: int) -> None:
+        """Settle a record that ended, once the dead letter the worker's main process may be writing
+        for it is written (checked every :data:`PARK_CHECK` s): a worker that dies first leaves it
+        unsettled, and the copy read again is parked from the FAILURE recorded (_skip_finished)."""
+        if parking(task_id):
+            self.c.hub.call_later(PARK_CHECK, self._settle_once_parked, task_id, partition, offset)
+        else:
+            self._settle(partition, offset)
+
     def _settle(self, partition: PartitionOffsets, offset: int) -> None:
         self.offsets.settle(partition, offset)
         self._on_settled()
@@ -261,6 +285,7 @@ class Arrival:
     problem: str | None = None  # why it can never run (dead-lettered), with its traceback
     trace: str = ""
     verdict: Verdict | None = None  # what admit() decided; None when it has a problem
+    tries: int = 0  # hand-overs that failed by an error of no known transient kind
 
 
 def replace_key(headers: dict) -> str | None:
@@ -277,13 +302,27 @@ class _Unrunnable(Exception):
         self.traceback = traceback
 
 
+def hold_until(due_ms: int | None, claimed_ms: int | None, now_ms: int) -> int | None:
+    """When Celery's ETA timer is to start a record handed to it at ``now_ms`` (this worker's
+    clock), or None: at once.  The poller sends a task up to ``delayed_dispatch_lead`` before it is
+    due, by Redis' clock (``claimed_ms``, when it took it); the wait is never longer than that lead,
+    so a worker whose clock is behind Redis' does not hold the task (and its partition's commit)
+    for the difference."""
+    if due_ms is None:
+        return None
+    wait = due_ms - now_ms if claimed_ms is None else min(due_ms - now_ms, due_ms - claimed_ms)
+    return now_ms + wait if wait > 1 else None
+
+
 def _record_headers(record: Any) -> dict[str, int]:
     """The poller's ms-valued record headers (:data:`.kafka.DUE_HEADER`, :data:`.kafka.CLAIMED_HEADER`)."""
     found = {}
     for name, value in record.headers() or ():
         if name in (DUE_HEADER, CLAIMED_HEADER):
             try:
-                found[name] = int(value)
+                ms = int(value)
             except (TypeError, ValueError):  # not ours after all: timing is information only
-                pass
+                continue
+            if 0 <= ms < MAX_DUE_MS:  # no poller wrote any other (and a datetime may not hold it)
+                found[name] = ms
     return found

@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope
+from celery_delayed.kafka import DUE_HEADER
 from tasks import create_app
 
 from .support import cut_redis_connections, wait_for
@@ -241,6 +242,22 @@ def test_a_message_celery_cannot_build_a_request_from_is_dead_lettered_not_retri
     assert due_in(app, "tasks.demo.add", (20, 22)).get(timeout=60) == 42
     letter = wait_for(lambda: DeadLetters(store_of(app)).get(bad.id), 20, "the bad message in the dead-letter queue")
     assert "invalid task message" in letter.reason
+
+
+def test_a_record_whose_due_header_no_time_can_hold_runs_and_the_ones_behind_it_too(overrides, processes):
+    """The poller's timing headers are information: a record whose due header is past what a
+    datetime holds (a producer's bug, a hand-made record) runs; it used to make the hand-over to
+    Celery raise, be tried again every second for ever, and hold up every record behind it."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    producer, topic = kafka_queue(app)
+    odd, stored = taken_out(app, "tasks.demo.add", (1, 2))
+    producer.produce(topic, key=odd.id, value=stored, headers=[(DUE_HEADER, b"99999999999999999")])
+    producer.flush(10)
+    processes.worker("w1")
+    processes.poller()
+    assert due_in(app, "tasks.demo.add", (20, 22)).get(timeout=60) == 42
+    assert odd.get(timeout=20) == 3
 
 
 def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, processes):

@@ -69,6 +69,46 @@ print(json.dumps({"seconds": time.monotonic() - started, "state": result.state,
 """
 
 
+#: A record handed to Celery through the intake, whose task then hits its hard time limit (Celery's
+#: main process sends ``task_failure``, then acknowledges): the record must stay unsettled while its
+#: dead letter waits for the store, and settle once it is written.
+HELD_UNTIL_PARKED = PRELUDE + """
+from types import SimpleNamespace
+from celery.worker.request import Request
+from kombu.utils.json import dumps
+from celery_delayed import failures
+from celery_delayed.envelope import Envelope
+from celery_delayed.intake import Arrival, Intake
+from celery_delayed.offsets import OffsetTracker
+from celery_delayed.once import Admit, Verdict
+task, later, requests = app.tasks["tasks.demo.add"], [], []
+
+def strategy(message, body, on_ack, on_reject, callbacks):
+    requests.append(Request(message, app=app, task=task, on_ack=on_ack, on_reject=on_reject))
+
+c = SimpleNamespace(app=app, on_task_message=set(),
+                    hub=SimpleNamespace(call_later=lambda delay, fn, *args: later.append((fn, args))))
+offsets, key = OffsetTracker(), ("t", 0)
+offsets.assign([key])
+intake = Intake(c, app.amqp.delayed_store, SimpleNamespace(release=lambda task_id: None), offsets, lambda: None)
+headers, properties, body, _ = app.amqp.create_task_message(str(uuid.uuid4()), task.name, [1, 2], {})
+envelope = Envelope(task_id=headers["id"], queue="celery", headers=headers, body=dumps(body).encode(),
+                    content_type="application/json", content_encoding="utf-8")
+record = SimpleNamespace(headers=lambda: [], timestamp=lambda: (1, 0), offset=lambda: 0, value=envelope.encode)
+intake.dispatch(Arrival(record, offsets.add(key, 0), 0, envelope=envelope, headers=dict(headers),
+                        strategy=strategy, verdict=Verdict(Admit.RUN)))
+(request,) = requests
+request.on_timeout(False, 3)
+held = offsets.committable()[key]
+time.sleep(1)
+still = offsets.committable()[key]
+failures._parking.clear()  # as when the store is back and the letter written
+for fn, args in later:
+    fn(*args)
+print(json.dumps({"held": held, "still": still, "after": offsets.committable()[key]}))
+"""
+
+
 def run(script: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=30)
@@ -91,3 +131,10 @@ def test_an_eager_failure_returns_while_its_dead_letter_is_retried_in_a_thread(t
 def test_an_eager_task_scheduling_its_own_id_gets_the_stores_error():
     result = run(EAGER_SELF_SCHEDULE)
     assert result == {**result, "state": "FAILURE", "error": "StoreUnavailable"} and result["seconds"] < 10, result
+
+
+def test_a_record_whose_dead_letter_waits_for_the_store_stays_unsettled_until_it_is_written():
+    """Celery's main process acknowledges a task that hit its hard time limit right after it sent
+    ``task_failure``, whose dead letter a thread writes once the store is back: settled at once, the
+    record was committed, and a worker that died before that left the task nowhere."""
+    assert run(HELD_UNTIL_PARKED) == {"held": 0, "still": 0, "after": 1}

@@ -1,0 +1,96 @@
+"""The worker's hand-over of Kafka records to Celery (celery_delayed.intake, KafkaFeed._drain):
+the parts that are pure logic."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from types import SimpleNamespace
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from celery_delayed.consumer import UNEXPECTED_TRIES, KafkaFeed
+from celery_delayed.intake import Arrival, _record_headers, hold_until
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
+from celery_delayed.layout import MAX_DUE_MS
+
+REDIS_NOW = 1_800_000_000_000
+
+
+def test_a_task_sent_ahead_of_its_due_time_waits_for_it_by_this_workers_clock():
+    assert hold_until(REDIS_NOW + 300, REDIS_NOW - 200, REDIS_NOW) == REDIS_NOW + 300
+    assert hold_until(REDIS_NOW + 300, None, REDIS_NOW) == REDIS_NOW + 300
+    assert hold_until(REDIS_NOW - 5, REDIS_NOW - 505, REDIS_NOW) is None  # due: at once
+    assert hold_until(None, None, REDIS_NOW) is None
+
+
+def test_a_worker_whose_clock_is_behind_redis_waits_no_longer_than_the_dispatch_lead():
+    """Claimed 500 ms before due by Redis' clock; this worker's clock an hour behind: it waits
+    the 500 ms, not an hour (holding the task and its partition's commit)."""
+    behind = REDIS_NOW - 3_600_000
+    assert hold_until(REDIS_NOW + 300, REDIS_NOW - 200, behind) == behind + 500
+
+
+class _Record:
+    def __init__(self, headers: list) -> None:
+        self._headers = headers
+
+    def headers(self) -> list:
+        return self._headers
+
+
+def test_timing_headers_no_time_can_hold_are_ignored():
+    record = _Record([(DUE_HEADER, b"99999999999999999"), (CLAIMED_HEADER, b"-1"), ("other", b"5")])
+    assert _record_headers(record) == {}
+    assert _record_headers(_Record([(DUE_HEADER, str(MAX_DUE_MS - 1).encode()), (CLAIMED_HEADER, b"oops")])) == \
+        {DUE_HEADER: MAX_DUE_MS - 1}
+
+
+class _Intake:
+    """Hands over records, failing with ``errors[record]`` (one per try) while any is left."""
+
+    def __init__(self, errors: dict[str, list[Exception]]) -> None:
+        self.errors, self.handed, self.parked = errors, [], []
+
+    def dispatch(self, arrival: Arrival) -> None:
+        if self.errors.get(arrival.record):
+            raise self.errors[arrival.record].pop(0)
+        self.handed.append(arrival.record)
+
+    def give_up(self, arrival: Arrival, reason: str, tb: str) -> None:
+        self.parked.append((arrival.record, reason))
+
+
+def _feed(intake: _Intake, records: list[str]) -> tuple[KafkaFeed, list]:
+    """A KafkaFeed's hand-over loop alone: its ready records, the intake, and a hub whose
+    ``call_later`` is recorded (the test calls ``_drain`` again itself, as the loop would)."""
+    later: list = []
+    feed = object.__new__(KafkaFeed)
+    feed.c = SimpleNamespace(hub=SimpleNamespace(call_later=lambda delay, fn, *args: later.append(fn)))
+    feed.intake, feed._ready_lock, feed._scheduled = intake, threading.Lock(), True
+    feed._ready = deque(Arrival(record=r, partition=None, read_ms=0) for r in records)
+    feed._reading = threading.Event()
+    feed._reading.set()
+    return feed, later
+
+
+def test_a_record_failing_by_an_unknown_error_is_dead_lettered_and_the_ones_behind_it_go_on():
+    intake = _Intake({"odd": [RuntimeError("a bug")] * (UNEXPECTED_TRIES + 3)})
+    feed, later = _feed(intake, ["odd", "next"])
+    for _ in range(UNEXPECTED_TRIES + 3):
+        feed._drain()
+        if not later:
+            break
+        later.clear()
+    assert intake.parked == [("odd", "could not be handed to Celery: RuntimeError('a bug')")]
+    assert intake.handed == ["next"]
+
+
+def test_a_record_failing_by_a_transient_error_is_tried_again_for_as_long_as_it_lasts():
+    intake = _Intake({"blink": [RedisConnectionError("down")] * (UNEXPECTED_TRIES * 3)})
+    feed, later = _feed(intake, ["blink", "next"])
+    for _ in range(UNEXPECTED_TRIES * 3):
+        feed._drain()
+        assert later == [feed._drain] and intake.handed == []
+        later.clear()
+    feed._drain()
+    assert intake.parked == [] and intake.handed == ["blink", "next"]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterator, Protocol
 
 from .envelope import Envelope, EnvelopeError
-from .once import forget_run_records
+from .once import attempt_of, forget_run_records
 from .redis_client import execute
 from .store import DelayedStore
 
@@ -126,10 +126,12 @@ class DeadLetters:
         """Park ``letter``, and drop the oldest letters past ``delayed_dlq_max_age`` or beyond
         ``delayed_dlq_max_entries`` (at most :data:`TRIM_LIMIT` per call)."""
         letter.timestamp = letter.timestamp or time.time()
-        settings = self.store.settings
-        _, trimmed = self._scripts["dead_letter"](
-            keys=self.keys, args=[letter.task_id, letter.encode(), int(settings.dlq_max_age * 1000),
-                                  settings.dlq_max_entries, TRIM_LIMIT])
+        settings, store = self.store.settings, self.store
+        pipe = store.redis.pipeline(transaction=False)
+        self._scripts["dead_letter"](keys=self.keys, client=pipe, args=[
+            letter.task_id, letter.encode(), int(settings.dlq_max_age * 1000), settings.dlq_max_entries, TRIM_LIMIT])
+        store.durable.end(pipe, [store.keys.dlq_wait])  # its message is settled next: a failover must not lose it
+        ((_, trimmed),) = store.durable.confirm(pipe, store.execute(pipe))
         if trimmed:
             logger.warning("dead-letter queue: dropped its %d oldest letter(s), past delayed_dlq_max_age=%ss "
                            "or beyond delayed_dlq_max_entries=%d", trimmed, settings.dlq_max_age,
@@ -219,7 +221,7 @@ class DeadLetters:
         data = self.store.redis.hget(self.keys[0], task_id)
         if data is None:
             return False
-        self._send_back([(task_id, data, _requeueable(task_id, data))], self.store.now_ms(), backend)
+        self._send_back([(task_id, data, *_requeueable(task_id, data))], self.store.now_ms(), backend)
         return True
 
     def requeue_all(self, backend: ResultBackend | None = None,
@@ -236,7 +238,7 @@ class DeadLetters:
             for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids)):
                 task_id = raw_id.decode()
                 try:
-                    batch.append((task_id, data, _requeueable(task_id, data)))
+                    batch.append((task_id, data, *_requeueable(task_id, data)))
                     outcomes.append((task_id, None))
                 except DeadLetterError as exc:
                     kept += 1
@@ -252,23 +254,29 @@ class DeadLetters:
         """Up to :data:`REQUEUE_CHUNK` task ids parked no later than ``ms``, oldest first, after ``skip``."""
         return self.store.redis.zrange(self.keys[1], "-inf", ms, byscore=True, offset=skip, num=REQUEUE_CHUNK)
 
-    def _send_back(self, records: list[tuple[str, bytes, bytes]], now_ms: int,
+    def _send_back(self, records: list[tuple[str, bytes, bytes, int]], now_ms: int,
                    backend: ResultBackend | None) -> None:
-        """Forget results, schedule ``(task_id, record, envelope)`` due now, then drop the records.
+        """Forget results, schedule ``(task_id, record, envelope, attempt)`` due now, then drop the records.
 
         Results go first: once scheduled, a poller and a worker may run the task
-        at once, and forgetting after that could drop the new result.  Records go
-        last, so a crash in between runs a task twice but never loses it; a record
-        replaced meanwhile (the rerun failed again) is kept.
+        at once, and forgetting after that could drop the new result.  Each task
+        is stored as the attempt its message is (Celery's ``retries``), which
+        replaces a copy of that attempt still in flight: stored as a first
+        attempt, it would be kept out by that copy, which the ack of its
+        dispatch (a poller stalled since) then removes, the task nowhere.
+        Records go last, so a crash in between runs a task twice but never
+        loses it; a record replaced meanwhile (the rerun failed again) is kept.
         """
         if not records:
             return
-        for task_id, _, _ in records:
+        for task_id, *_ in records:
             _forget(backend, task_id)
-        forget_run_records(self.store, [task_id for task_id, _, _ in records])
-        self.store.schedule_many((task_id, now_ms, envelope) for task_id, _, envelope in records)
+        forget_run_records(self.store, [task_id for task_id, *_ in records])
+        for attempt in sorted({attempt for *_, attempt in records}):
+            self.store.schedule_many([(task_id, now_ms, envelope) for task_id, _, envelope, a in records
+                                      if a == attempt], attempt=attempt)
         pipe = self.store.redis.pipeline(transaction=False)
-        for task_id, record, _ in records:
+        for task_id, record, *_ in records:
             self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id, record], client=pipe)
         execute(self.store.redis, pipe)
 
@@ -282,8 +290,9 @@ class DeadLetters:
         return self._scripts["purge_dead_letters"](keys=self.keys)
 
 
-def _requeueable(task_id: str, data: bytes | None) -> bytes:
-    """The envelope bytes of a stored record, or :class:`DeadLetterError` saying why it cannot run again."""
+def _requeueable(task_id: str, data: bytes | None) -> tuple[bytes, int]:
+    """The envelope bytes of a stored record and the attempt it is, or :class:`DeadLetterError`
+    saying why it cannot run again."""
     if data is None:
         raise DeadLetterError(f"dead letter {task_id} is indexed but has no record (purge it)")
     try:
@@ -297,7 +306,7 @@ def _requeueable(task_id: str, data: bytes | None) -> bytes:
                               f"its message is not a valid envelope ({exc})") from None
     if envelope.task_id != task_id:
         raise DeadLetterError(f"dead letter {task_id} cannot be requeued: its message is task {envelope.task_id}")
-    return message
+    return message, attempt_of(envelope.headers)
 
 
 def _forget(backend: ResultBackend | None, task_id: str) -> None:

@@ -30,21 +30,24 @@ logger = logging.getLogger(__name__)
 
 
 class DurableWrites:
-    """The ``delayed_schedule_wait`` policy of one store's schedule writes."""
+    """The ``delayed_schedule_wait`` policy of one store's writes that must not be lost: tasks
+    scheduled, and dead letters (their message settled once parked)."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
         self.policy = store.settings.wait_policy
         self._waitaof_checked = False
 
-    def end(self, pipe: redis.client.Pipeline, partitions: list[int]) -> None:
-        """End a schedule pipeline writing to ``partitions`` with its wait: on the pipeline's own
+    def end(self, pipe: redis.client.Pipeline, probes: list[str]) -> None:
+        """End a pipeline of writes (schedule, dead letter) with its wait: on the pipeline's own
         connection, as ``WAIT`` and ``WAITAOF`` count that connection's writes.  A cluster
-        pipeline's connections are not ours: it is waited for per node after it ran (:meth:`confirm`)."""
+        pipeline's connections are not ours: it is waited for after it ran (:meth:`confirm`), on
+        the node of each of ``probes``, a short-lived key in the slot of each group of keys written
+        (:meth:`.Keys.wait_probe`, :attr:`.Keys.dlq_wait`)."""
         if self.policy is None:
             return
         if isinstance(self.store.redis, redis.RedisCluster):
-            pipe.delayed_partitions = partitions
+            pipe.delayed_probes = probes
         else:
             self._wait(pipe)
 
@@ -54,27 +57,27 @@ class DurableWrites:
         if self.policy is None:
             return replies
         if isinstance(self.store.redis, redis.RedisCluster):
-            self._wait_on_nodes(pipe.delayed_partitions)
+            self._wait_on_nodes(pipe.delayed_probes)
             return replies
         self._check(replies.pop())
         return replies
 
-    def _wait_on_nodes(self, partitions: list[int]) -> None:
-        """``WAIT``/``WAITAOF`` on every primary that holds one of ``partitions``, after their writes.
+    def _wait_on_nodes(self, probes: list[str]) -> None:
+        """``WAIT``/``WAITAOF`` on every primary that holds one of ``probes``, after the writes.
 
         Both count the writes of their own connection, and a cluster pipeline's connections are not
         ours to use; but a primary's replication stream is ordered, so a write sent after the
         pipeline's answer, on a connection of our own, is replicated after them: a ``SET`` of the
-        partition's short-lived ``wait`` key, then the wait.  A primary that moved meanwhile answers
-        ``MOVED`` (a store error): the write is then not confirmed, and scheduling again is safe.
+        short-lived probe key, then the wait.  A primary that moved meanwhile answers ``MOVED``
+        (a store error): the write is then not confirmed, and writing again is safe.
         """
-        keys, by_node = self.store.keys, {}
-        for p in partitions:
-            node = self.store.redis.get_node_from_key(keys.wait_probe(p))
-            by_node.setdefault(node.name, (node, p))
-        for node, p in by_node.values():
+        by_node = {}
+        for probe in probes:
+            node = self.store.redis.get_node_from_key(probe)
+            by_node.setdefault(node.name, (node, probe))
+        for node, probe in by_node.values():
             pipe = node.redis_connection.pipeline(transaction=False)
-            pipe.execute_command("SET", keys.wait_probe(p), 1, "PX", 60_000)
+            pipe.execute_command("SET", probe, 1, "PX", 60_000)
             self._wait(pipe)
             self._check(self.store._unchecked(pipe.execute)[-1])
 
@@ -101,7 +104,7 @@ class DurableWrites:
         local, replicas = acked if self.policy.aof else (1, acked)
         if not local or replicas < self.policy.replicas:
             raise StoreNotDurable(
-                f"schedule write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
+                f"store write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
                 f"{self.store.settings.schedule_wait!r}): {replicas} of {self.policy.replicas} replicas acknowledged "
                 f"it{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
                 "fails now (scheduling them again is safe)")

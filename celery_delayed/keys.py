@@ -27,6 +27,7 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:done:{<crc>}<id>", "STRING", "'F' once the task id ended, else its last attempt that retried"),
     ("<prefix>:{dlq}:msg", "HASH", "dead letters: id -> record"),
     ("<prefix>:{dlq}:index", "ZSET", "dead letters: id -> when parked (ms)"),
+    ("<prefix>:{dlq}:wait", "STRING", "as {p}:wait, for the dead letters' node"),
     ("<prefix>:layout", "STRING", "partitions, bucket width and format every process must agree on"),
     ("<prefix>:wake", "channel", "pub/sub: a sooner task was scheduled, pollers wake"),
     ("/<prefix>/leader/<p>", "etcd", "the partition's leader (a poller id), under its lease"),
@@ -43,6 +44,7 @@ class Keys:
         self.wake = f"{prefix}:wake"
         self.layout = f"{prefix}:layout"
         self.dlq = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
+        self.dlq_wait = f"{prefix}:{{dlq}}:wait"
         self.etcd_root = f"/{prefix}"
         self.pattern = f"{prefix}:*"  # every Redis key of the deployment (SCAN MATCH)
 

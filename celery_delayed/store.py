@@ -96,13 +96,14 @@ class DelayedStore(Inspection):
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
     def schedule_many(self, items: Iterable[tuple[str, int, bytes]],
-                      progress: Callable[[int], None] | None = None) -> int:
-        """Store ``(task_id, due_ms, envelope_bytes)`` items (first attempts) in bulk; returns how
-        many were stored.
+                      progress: Callable[[int], None] | None = None, attempt: int = 0) -> int:
+        """Store ``(task_id, due_ms, envelope_bytes)`` items, each attempt number ``attempt``
+        (first attempts by default), in bulk; returns how many were stored.
 
         An id the store already holds keeps its stored copy while that one is
-        scheduled; a copy in flight (being dispatched) of the first attempt is
-        replaced, so the newer copy survives that dispatch's ack.
+        scheduled (or is a later attempt); a copy in flight (being dispatched) of
+        the same attempt, or an earlier one, is replaced, so the newer copy
+        survives that dispatch's ack.
 
         ``items`` may be any iterable, millions long: it is consumed in batches of
         :data:`SCHEDULE_BATCH`, each grouped by partition and sent as one pipeline
@@ -116,7 +117,7 @@ class DelayedStore(Inspection):
         A bad item raises ``ValueError`` naming it before its batch is written
         (earlier batches stay stored); each task is stored whole or not at all.
         """
-        pipelines = self._schedule_pipelines(items)
+        pipelines = self._schedule_pipelines(items, attempt)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
             return sum(self._stored(self._send(pipe), size, progress) for pipe, size in pipelines)
         added = 0
@@ -150,7 +151,7 @@ class DelayedStore(Inspection):
                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
                                              client=pipe)
-            self.durable.end(pipe, sorted(by_partition))
+            self.durable.end(pipe, [self.keys.wait_probe(p) for p in by_partition])
             done += len(batch)
             yield pipe, len(batch)
 

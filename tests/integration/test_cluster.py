@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetter, DeadLetters
 from celery_delayed.outcomes import StoreNotDurable
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
@@ -107,3 +108,6 @@ def test_schedule_wait_waits_for_each_written_primarys_replica(overrides):
     assert time.monotonic() - started >= 0.3
     # the tasks are on the primaries, as the error says, and scheduling them again keeps one copy
     assert sum(r["scheduled"] for r in store.counts()) == 310
+    DeadLetters(store).add(DeadLetter(task_id="poison", reason="undecodable", source="worker", message=b"x"))
+    with pytest.raises(StoreNotDurable, match=r"1 of 2 replicas acknowledged it"):  # waited on the {dlq} node
+        DeadLetters(strict).add(DeadLetter(task_id="poison", reason="undecodable", source="worker", message=b"x"))

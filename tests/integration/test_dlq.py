@@ -12,6 +12,7 @@ import pytest
 from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
+from celery_delayed.envelope import Envelope
 from celery_delayed.once import remember_revoked
 from celery_delayed.settings import Settings
 from celery_delayed.store import DelayedStore
@@ -129,12 +130,34 @@ def test_requeue_of_a_task_still_scheduled_keeps_its_entry_and_drops_the_record(
     assert letters.count() == 0
 
 
+def test_a_requeue_before_the_ack_of_the_attempt_that_failed_is_not_undone_by_that_ack(letters):
+    """Attempt 2 of a task (a retry) was claimed, sent, run, failed for good and parked, all
+    before the poller that sent it (CPU-starved, stopped) acked its claim.  The requeue replaces
+    that copy in flight, so the late ack removes nothing; stored as a first attempt, it was kept
+    out by that copy, and the ack then left the task nowhere."""
+    store = letters.store
+    (task_id, _, data), = envelopes(1, "q", 0, prefix="late-ack")
+    envelope = Envelope.decode(data)
+    envelope.headers["retries"] = 2  # as the worker rebuilds the message of the attempt that failed
+    data = envelope.encode()
+    store.schedule(task_id, redis_now_ms(store) - 1, data, attempt=2)
+    partition = store.partition(task_id)
+    claim = store.claim(partition, token=1, limit=10)
+    assert [item[0] for item in claim.items] == [task_id]
+    letters.add(DeadLetter(task_id=task_id, reason="failed for good", source="worker", attempts=3, message=data))
+    assert letters.requeue(task_id)
+    store.ack(partition, [(task_id, claim.stamp)])  # the stalled poller wakes up
+    entry = store.get(task_id)
+    assert entry is not None and letters.get(task_id) is None, "the task is nowhere: not stored, not parked"
+    assert entry["state"] == "scheduled" and store.message(task_id) == data
+
+
 def test_requeue_keeps_a_newer_failure_parked_meanwhile(letters, monkeypatch):
     parked = park(letters, 1)
     schedule = letters.store.schedule_many
 
-    def schedule_and_fail_again(items):  # the rerun fails before requeue drops the record
-        added = schedule(items)
+    def schedule_and_fail_again(items, **options):  # the rerun fails before requeue drops the record
+        added = schedule(items, **options)
         letters.add(DeadLetter(task_id="task-0", reason="failed again", source="worker", message=parked["task-0"]))
         return added
 

@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 import redis
 
+from celery_delayed.dlq import DeadLetter, DeadLetters
 from celery_delayed.durability import preflight, worker_preflight
 from celery_delayed.outcomes import StoreNotDurable
 from celery_delayed.poller import Poller
@@ -81,6 +82,17 @@ def test_schedule_wait_for_a_missing_replica_fails_after_its_timeout(overrides):
     assert store.get("task-0")["state"] == "scheduled"  # on the primary all the same, as the error says
     with pytest.raises(StoreNotDurable):  # also one task, as apply_async stores it
         store.schedule_many(envelopes(1, "q", now_ms() + 60_000, prefix="one"))
+
+
+def test_a_dead_letter_waits_as_a_schedule_write_does(overrides):
+    """Its message is settled (a Kafka offset committed, a claim acked) once it is parked: a
+    failover that lost the letter would leave the task nowhere."""
+    letters = DeadLetters(DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=1,timeout=0.3")))
+    with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 0 of 1 replicas acknowledged it"):
+        letters.add(DeadLetter(task_id="poison", reason="undecodable", source="worker", message=b"x"))
+    assert letters.get("poison") is not None  # on the primary all the same
+    DeadLetters(DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=0,timeout=5"))).add(
+        DeadLetter(task_id="other", reason="undecodable", source="worker", message=b"x"))
 
 
 def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):

@@ -27,6 +27,7 @@ BUILT = {
     "<prefix>:done:{<crc>}<id>": K.done("<id>"),
     "<prefix>:{dlq}:msg": K.dlq[0],
     "<prefix>:{dlq}:index": K.dlq[1],
+    "<prefix>:{dlq}:wait": K.dlq_wait,
     "<prefix>:layout": K.layout,
     "<prefix>:wake": K.wake,
     "/<prefix>/leader/<p>": K.leader("<p>"),

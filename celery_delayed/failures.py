@@ -79,8 +79,13 @@ def _park(dead_letters: DeadLetters, letter: DeadLetter, in_pool: bool) -> None:
     if not in_pool:
         with _parking_lock:
             _parking[letter.task_id] = _parking.get(letter.task_id, 0) + 1
-        threading.Thread(target=_park_in_background, args=(dead_letters, letter), name="delayed-park",
-                         daemon=True).start()
+        try:
+            threading.Thread(target=_park_in_background, args=(dead_letters, letter), name="delayed-park",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had: one try here, the record held no longer
+            _parked(letter.task_id)
+            logger.exception("no thread to park failed task %s in: trying once, here", letter.task_id)
+            dead_letters.add(letter)
         return
     try:
         write_retrying(dead_letters.add, (letter,), forever=True,
@@ -93,10 +98,15 @@ def _park_in_background(dead_letters: DeadLetters, letter: DeadLetter) -> None:
     try:
         _park(dead_letters, letter, in_pool=True)
     finally:
-        with _parking_lock:
-            _parking[letter.task_id] -= 1
-            if not _parking[letter.task_id]:
-                del _parking[letter.task_id]
+        _parked(letter.task_id)
+
+
+def _parked(task_id: str) -> None:
+    """One background park of ``task_id`` is over (see :func:`parking`)."""
+    with _parking_lock:
+        _parking[task_id] -= 1
+        if not _parking[task_id]:
+            del _parking[task_id]
 
 
 def after_body(traceback: str | None) -> bool:

@@ -41,7 +41,7 @@ class PartitionOffsets:
         until they settle (a truncation seeks to where the logs diverge, above a long-running task)."""
         while self._outstanding and self._outstanding[-1] >= offset:
             self._settled.discard(self._outstanding.pop())
-        self._last = offset - 1
+        self._last = min(self._last, offset - 1)  # an earlier rewind may have cut it lower
         if self._before is not None:
             self._before.cut(offset)
 

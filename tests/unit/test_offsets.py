@@ -118,3 +118,17 @@ def test_records_below_where_kafka_moved_back_still_hold_the_commit_until_they_s
     assert t.committable() == {key: 0}
     t.settle(again, 0)
     assert t.revoke([key]) == {key: 1}
+
+
+def test_a_second_move_back_above_the_first_keeps_the_count_of_what_the_worker_holds():
+    """The earliest records read stay cut where the first move back cut them: a late settle of one
+    cut off is ignored, not counted as settled (which made the worker think it held fewer)."""
+    t, key = OffsetTracker(), ("t", 0)
+    t.assign([key])
+    first = [t.add(key, offset) for offset in range(3, 16)][0]
+    for offset in range(10, 16):  # moved back to 10: 10 to 15 of the first reading are gone
+        t.add(key, offset)
+    t.add(key, 12)  # moved back to 12: 12 to 15 of the second reading are gone
+    t.settle(first, 10)
+    t.settle(first, 11)
+    assert t.unsettled() == 7 + 2 + 1 and t.committable() == {key: 3}  # 3-9 first, 10-11 second, 12 third

@@ -138,3 +138,21 @@ def test_a_record_whose_dead_letter_waits_for_the_store_stays_unsettled_until_it
     ``task_failure``, whose dead letter a thread writes once the store is back: settled at once, the
     record was committed, and a worker that died before that left the task nowhere."""
     assert run(HELD_UNTIL_PARKED) == {"held": 0, "still": 0, "after": 1}
+
+
+def test_a_park_with_no_thread_to_be_had_is_tried_once_and_holds_no_record(monkeypatch):
+    """No thread could start (memory, a thread limit): the letter is written once, here, and its task
+    id no longer says it is being parked, or its record would be held back for good."""
+    from types import SimpleNamespace
+
+    from celery_delayed import failures
+    from celery_delayed.dlq import DeadLetter
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(failures.threading.Thread, "start", refuse)
+    written = []
+    failures._park(SimpleNamespace(add=written.append), DeadLetter(task_id="t-1", reason="failed", source="worker"),
+                   in_pool=False)
+    assert [letter.task_id for letter in written] == ["t-1"] and not failures.parking("t-1")

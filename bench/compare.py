@@ -273,7 +273,7 @@ def run_case(system: System, n: int, opts: argparse.Namespace, progress: Progres
                 "on_time": sum(lag <= ON_TIME_MS for lag in lags), "ran": len(runs),
                 "lag_ms": {"p50": percentile(lags, .5), "p99": percentile(lags, .99), "max": max(lags, default=None)},
                 "lost": n - len(runs), "duplicated": sum(count > 1 for count in runs.values()),
-                "restart_s": restart_s, "rss": sampler.samples, "lags": sorted(lags)}
+                "restart_s": restart_s, "rss": sampler.samples, "lag_cdf": lag_cdf(lags, n)}
     finally:
         procs.stop_all()  # first: whatever else fails here, no process is left running
         if scheduler:
@@ -367,13 +367,14 @@ def report(results: list[dict[str, Any]], skipped: list[System], opts: argparse.
     """The results as a Markdown table (also printed), ratios against native at the same N."""
     native = {r["tasks"]: r for r in results if r["system"] == "native"}
     head = ["system", "N", "schedule s (tasks/s)", "Redis MB", "worker peak RSS MB (/ native)",
-            "on time <= 1 s", "lag p50 / p99 / max ms", "lost", "duplicated", "restart -> running s"]
+            "on time <= 1 s", "lag p50 / p99 / max ms", "not run by the end", "duplicated", "restart -> running s"]
     rows = []
     for r in results:
         base = native.get(r["tasks"])
         ratio = f" ({r['worker_peak_rss_mb'] / base['worker_peak_rss_mb']:.2f}x)" if base and base is not r else ""
         lag = r["lag_ms"]
-        rows.append([r["system"], f"{r['tasks']:,}", f"{r['schedule_s']} ({r['schedule_per_s']:,})",
+        name = r["system"] + (f" ({r['from']})" if r.get("from") else "")
+        rows.append([name, f"{r['tasks']:,}", f"{r['schedule_s']} ({r['schedule_per_s']:,})",
                      f"{r['redis_mb']}", f"{r['worker_peak_rss_mb']}{ratio}",
                      f"{r['on_time']:,} ({r['on_time'] / r['tasks']:.1%})",
                      f"{_ms(lag['p50'])} / {_ms(lag['p99'])} / {_ms(lag['max'])}", f"{r['lost']:,}",
@@ -391,6 +392,14 @@ def report(results: list[dict[str, Any]], skipped: list[System], opts: argparse.
     return "\n".join(lines) + "\n"
 
 
+def lag_cdf(lags: list[int], n: int, points: int = 500) -> list[tuple[int, float]]:
+    """The lag CDF as ``points`` + 1 pairs (lag ms, share of all N tasks started by then), small
+    enough to keep in the results and draw again."""
+    ordered = sorted(lags)
+    picks = sorted({i * (len(ordered) - 1) // points for i in range(points + 1)}) if ordered else []
+    return [(ordered[i], (i + 1) / n) for i in picks]
+
+
 def _ms(value: float | None) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.0f}"
 
@@ -406,8 +415,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     for (rss, cdf), n in zip(axes, sizes):
         for r in (r for r in results if r["tasks"] == n):
             rss.plot([t for t, _ in r["rss"]], [mb for _, mb in r["rss"]], label=r["system"])
-            lags = [max(lag, 1) for lag in r["lags"]]
-            cdf.plot(lags, [(i + 1) / n for i in range(len(lags))], label=r["system"])
+            cdf.plot([max(lag, 1) for lag, _ in r["lag_cdf"]], [share for _, share in r["lag_cdf"]],
+                     label=r["system"])
         rss.set(title=f"worker RSS (all processes), N = {n:,}", xlabel="seconds", ylabel="MB")
         cdf.set(title=f"due -> started, N = {n:,} (fraction of all N tasks)", xlabel="lag (ms, log)",
                 ylabel="fraction started", xscale="log", ylim=(0, 1.01))
@@ -448,6 +457,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cron", type=float, default=60.0, help="longterm-scheduler's scheduler interval (s)")
     parser.add_argument("--eta-limit", type=int, default=1000, help="native-eta-limit's worker_eta_task_limit")
     parser.add_argument("--only", nargs="+", help="run these systems only")
+    parser.add_argument("--merge", nargs="+", type=Path, default=[],
+                        help="results of an earlier run (its JSON, or a compare-partial-*.json a stopped run "
+                             "left) shown beside this run's, for cases too long to run in one go")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)  # run_elsewhere: one case of this system, in this Python
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # ... its figures written here as JSON
     parser.add_argument("--restart-timeout", type=float, help=argparse.SUPPRESS)
@@ -481,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         found |= _package_versions() | {k: v for s in chosen for k, v in s.installed.items()}
         console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()))
         runnable = [s for s in chosen if not s.why_not]
-        results: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = [r for path in opts.merge for r in _merged(path)]
         partial = RESULTS / f"compare-partial-{os.getpid()}.json"
         with tempfile.TemporaryDirectory(prefix="bench-compare-") as tmp, \
                 Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -499,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(
             {"versions": found, "git": git_state(), "options": {k: v for k, v in vars(opts).items()},
              "systems": {s.name: s.how for s in chosen}, "not_run": {s.name: s.why_not for s in chosen if s.why_not},
-             "results": [{k: v for k, v in r.items() if k != "lags"} for r in results]}, indent=1))
+             "results": results}, indent=1, default=str))
         plot(results, base.with_suffix(".png"))
         if not opts.quick:  # the figures the README shows (committed)
             sizes = "" if opts.tasks == [100_000] else "".join(f"-{n}" for n in opts.tasks)  # 100k: the README's
@@ -510,6 +522,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"results: {base}.md, .json, .png")
         problems = [r for r in results if r["system"] == "celery-delayed" and (r["lost"] or r["duplicated"])]
         return 1 if problems else 0
+
+
+def _merged(path: Path) -> list[dict[str, Any]]:
+    """The results an earlier run kept in ``path`` (a run's JSON, or the partial file of one that
+    stopped), each marked with the file it came from."""
+    kept = json.loads(path.read_text())
+    results = kept["results"] if isinstance(kept, dict) else kept
+    for r in results:
+        if "lags" in r:  # a partial file keeps every lag
+            r["lag_cdf"] = lag_cdf(r.pop("lags"), r["tasks"])
+        r["from"] = path.name
+    return results
 
 
 def _package_versions() -> dict[str, str]:

@@ -376,7 +376,8 @@ class KafkaFeed:
             try:
                 self.intake.dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
-                arrival.tries += 0 if isinstance(exc, TRANSIENT_ERRORS) else 1
+                if not isinstance(exc, TRANSIENT_ERRORS):
+                    arrival.tries += 1
                 if arrival.tries < UNEXPECTED_TRIES or not self._give_up(arrival, exc):
                     logger.warning("task delivery deferred 1 s: %r", exc)
                     with self._ready_lock:

@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 #: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
 #: Anything else Celery's strategy raises is about the message itself, which can never run.
-#: How often (s) a record that ended waits for its dead letter being written to be, before it settles.
-PARK_CHECK = 0.5
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
+#: How often (s) a record that ended checks whether its dead letter is written yet, before it settles.
+PARK_CHECK = 0.5
 
 
 #: Celery >= 5.7 cancels the ETA timer entries of the requests it drops when its consumer

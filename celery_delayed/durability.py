@@ -106,8 +106,8 @@ class DurableWrites:
             raise StoreNotDurable(
                 f"store write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
                 f"{self.store.settings.schedule_wait!r}): {replicas} of {self.policy.replicas} replicas acknowledged "
-                f"it{'' if local else ', not fsynced to the AOF'}; the tasks are on the primary and may be lost if it "
-                "fails now (scheduling them again is safe)")
+                f"it{'' if local else ', not fsynced to the AOF'}; what it wrote is on the primary and may be lost if "
+                "it fails now (writing it again is safe: scheduled tasks and dead letters keep one copy)")
 
 
 def preflight(store: DelayedStore, role: str) -> None:

@@ -161,7 +161,7 @@ class Intake:
         eta = iso_of(due_ms)
         headers.pop("eta", None)
         if (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
-            headers["eta"] = iso_of(start_ms)
+            headers["eta"] = eta if start_ms == due_ms else iso_of(start_ms)
         headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": claimed_ms,
                                "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms}
         return Message(body=envelope.body, content_type=envelope.content_type,

@@ -28,10 +28,11 @@ class StoreUnavailable(RuntimeError):
 
 
 class StoreNotDurable(StoreUnavailable):
-    """A schedule write was not confirmed durable in time (``delayed_schedule_wait``).
+    """A store write (tasks scheduled, a dead letter) was not confirmed durable in time
+    (``delayed_schedule_wait``).
 
-    It is stored on the primary, but may be lost if the primary fails now;
-    scheduling the same tasks again is safe (stored ids are kept).
+    It is on the primary, but may be lost if the primary fails now; writing it
+    again is safe (stored ids and dead letters keep one copy).
     """
 
 

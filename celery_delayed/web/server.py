@@ -29,7 +29,7 @@ from tornado.ioloop import IOLoop
 
 from ..browse import Filter, parse_move, parse_when
 from ..outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
-from .views import Job, Views
+from .views import Job, LetterFilter, Views
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -133,6 +133,13 @@ class Base(tornado.web.RequestHandler):
         else:
             self.redirect(then, status=303)
 
+    def started(self, job: Job) -> None:
+        """After a bulk action began: its job as JSON for the API (202), else its page."""
+        if self.api:
+            self.answer("", job.describe(), status=202)
+        else:
+            self.redirect(f"/jobs/{job.id}", status=303)
+
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """The error as JSON or a page; a 4xx of Tornado's own (XSRF) says what was wrong, not only 'Forbidden'."""
         message = self._reason
@@ -219,10 +226,8 @@ class Bulk(Base):
                 if action == "reschedule" else (None, None)
         except ValueError as exc:
             raise Problem(400, str(exc)) from None
-        job: Job = await self.call(self.views.bulk, action, self.filter(now_ms), shift_ms, to_ms, self.arg("confirm"))
-        if self.api:
-            return self.answer("", job.describe(), status=202)
-        self.redirect(f"/jobs/{job.id}", status=303)
+        self.started(await self.call(self.views.bulk, action, self.filter(now_ms), shift_ms, to_ms,
+                                     self.arg("confirm")))
 
 
 class JobPage(Base):
@@ -241,14 +246,11 @@ class DeadLetterList(Base):
 
 class DeadLettersAction(Base):
     async def post(self, action: str) -> None:
-        """Requeue or purge every dead letter of the filter (task, reason): all that match, at once."""
+        """Requeue or purge every dead letter of the filter (task, reason), as a job."""
         if action not in ("requeue", "purge"):
             raise Problem(404, f"no action {action!r}")
-        ids = await self.call(self.views.letters.matching, self.arg("task"), self.arg("reason"))
-        if self.get_argument("confirm", "") != str(len(ids)):
-            raise Problem(400, f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
-        data = await self.call(getattr(self.views, action), ids)
-        self.done(data, "/dead-letters")
+        flt = LetterFilter(task=self.arg("task"), reason=self.arg("reason"))
+        self.started(await self.call(self.views.letters_bulk, action, flt, self.get_argument("confirm", "")))
 
 
 class DeadLetter(Base):

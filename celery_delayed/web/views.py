@@ -37,6 +37,8 @@ NEAR_BINS, FAR_BINS = 60, 48
 FAR_EVERY = 30.0
 #: Seconds between two scrapes of the pollers' metrics.
 SCRAPE_EVERY = 5.0
+#: Dead letters a bulk requeue or purge takes between two progress reports.
+LETTERS_CHUNK = 100
 #: Bulk jobs kept for their pages (the oldest finished ones are forgotten first).
 KEPT_JOBS = 100
 
@@ -147,6 +149,27 @@ class Views:
         letter = self.letters.get(task_id)
         return None if letter is None else {"message_error": None, "message_preview": None, **letter.describe()}
 
+    def letters_bulk(self, action: str, flt: LetterFilter, confirm: str | None) -> Job:
+        """Start a job that requeues or purges every dead letter ``flt`` selects, :data:`LETTERS_CHUNK`
+        at a time; ``confirm`` must be how many it selects now (what the page said), so a page gone
+        stale changes nothing unseen.  A job, not the request: 100,000 letters take minutes."""
+        if action not in ("requeue", "purge"):
+            raise ValueError(f"unknown dead-letter action {action!r}: requeue or purge")
+        ids = self.letters.matching(flt.task, flt.reason)
+        if confirm != str(len(ids)):
+            raise ValueError(f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
+        change = getattr(self, action)
+
+        def work(progress: Callable[[int, int], None]) -> dict[str, int]:
+            totals: dict[str, int] = {}
+            for start in range(0, len(ids), LETTERS_CHUNK):
+                for name, n in change(ids[start:start + LETTERS_CHUNK]).items():
+                    totals[name] = totals.get(name, 0) + n
+                progress(min(start + LETTERS_CHUNK, len(ids)), len(ids))
+            return totals
+
+        return self.jobs.start(action, flt, work)
+
     def requeue(self, task_ids: list[str]) -> dict[str, Any]:
         requeued = [t for t in task_ids if self.letters.requeue(t, self.app.backend)]
         return {"requeued": len(requeued), "unknown": len(task_ids) - len(requeued)}
@@ -198,12 +221,24 @@ class Refreshing:
             self.ready.set()
 
 
+@dataclass(frozen=True)
+class LetterFilter:
+    """The dead letters a bulk requeue or purge takes: of task name ``task``, whose reason contains
+    ``reason`` (None: any)."""
+
+    task: str | None = None
+    reason: str | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 @dataclass
 class Job:
     """A bulk action running in a thread of the web process: its progress, then its result."""
 
     action: str
-    filter: Filter
+    filter: Filter | LetterFilter
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     state: str = "running"  # running, done, failed
     examined: int = 0

@@ -273,8 +273,14 @@ def test_dead_letters_list_show_requeue_and_purge(app, server):
     assert store_of(app).get("dead-0") is not None and not letters.holds("dead-0")
     status, error = client.json("/api/bulk/dead-letters/purge", {"reason": "boom"})
     assert status == 400 and "needs confirm=2" in error["error"]
-    status, done = client.json("/api/bulk/dead-letters/purge", {"reason": "boom", "confirm": "2"})
-    assert status == 200 and done == {"purged": 2, "unknown": 0} and letters.count() == 2
+    status, job = client.json("/api/bulk/dead-letters/purge", {"reason": "boom", "confirm": "2"})
+    assert status == 202 and _finished(client, job["id"])["result"] == {"purged": 2, "unknown": 0}
+    assert letters.count() == 2
+    status, job = client.json("/api/bulk/dead-letters/requeue", {"reason": "unknown task", "confirm": "2"})
+    assert status == 202 and _finished(client, job["id"])["result"] == {"requeued": 2, "unknown": 0}
+    assert letters.count() == 0 and store_of(app).get("dead-3") is not None and store_of(app).get("dead-4") is not None
+    status, page = client.request(f"/jobs/{job['id']}")
+    assert status == 200 and "requeued: 2" in page and "reason=unknown task" in page and "Back to dead letters" in page
 
 
 def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(app):

@@ -183,9 +183,18 @@ class DeadLetters:
         return [letter.task_id for letter in self._newest() if letter.matches(task, reason)]
 
     def _newest(self) -> Iterator[DeadLetter]:
-        """Every dead letter, newest first, :data:`REQUEUE_CHUNK` per round trip."""
-        for start in itertools.count(0, REQUEUE_CHUNK):
-            ids = self.store.redis.zrevrange(self.keys[1], start, start + REQUEUE_CHUNK - 1)
+        """Every dead letter, newest first, :data:`REQUEUE_CHUNK` per round trip.
+
+        Each page starts after the last letter seen (its time, then its id: the index's order),
+        not at a position, so letters requeued, purged or parked meanwhile make it skip none."""
+        last: tuple[float, bytes] | None = None
+        tied = 0  # letters seen at the last one's time: read again, and dropped
+        while True:
+            asked = REQUEUE_CHUNK + tied
+            page = self.store.redis.zrevrangebyscore(self.keys[1], "+inf" if last is None else last[0], "-inf",
+                                                     start=0, num=asked, withscores=True)
+            fresh = [(task_id, ms) for task_id, ms in page if last is None or (ms, task_id) < last]
+            ids = [task_id for task_id, _ in fresh]
             for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids) if ids else []):
                 if data is None:  # purged between the two reads
                     continue
@@ -193,8 +202,11 @@ class DeadLetters:
                     yield DeadLetter.decode(data)
                 except DeadLetterError as exc:
                     yield DeadLetter(task_id=raw_id.decode(), reason=str(exc), source="?")
-            if len(ids) < REQUEUE_CHUNK:
+            if len(page) < asked or not fresh:
                 return
+            ms = fresh[-1][1]
+            tied = (tied if last is not None and last[0] == ms else 0) + sum(m == ms for _, m in fresh)
+            last = (ms, fresh[-1][0])
 
     def holds(self, task_id: str) -> bool:
         """Whether a dead letter of ``task_id`` is parked (its record is not read)."""

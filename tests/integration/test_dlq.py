@@ -183,6 +183,22 @@ def test_requeue_all_skips_what_cannot_run_and_reports_each(letters, monkeypatch
     assert letters.requeue_all() == 0
 
 
+def test_reading_every_letter_skips_none_when_letters_leave_or_arrive_meanwhile(letters, monkeypatch):
+    """A requeue or purge of every matching letter reads the queue page by page, newest first: letters
+    removed or parked between two pages shift nothing, each letter parked before is read once.  Pages
+    of 7 among 60 letters parked a few per ms, so pages end inside letters of the same time."""
+    monkeypatch.setattr(dlq_module, "REQUEUE_CHUNK", 7)
+    parked = park(letters, 60)
+    reading = letters._newest()
+    seen = [next(reading).task_id for _ in range(10)]
+    for task_id in seen[:5]:  # read already, as a requeue-all removes what it read
+        assert letters.purge(task_id)
+    park(letters, 3, prefix="late")
+    seen += [letter.task_id for letter in reading]
+    assert len(seen) == len(set(seen))
+    assert sorted(t for t in seen if not t.startswith("late")) == sorted(parked)
+
+
 def test_purge_one_and_all(letters):
     park(letters, 3)
     park_garbage(letters)

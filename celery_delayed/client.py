@@ -24,6 +24,7 @@ from celery import current_task
 from celery.app.amqp import AMQP
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
+from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
 from .envelope import Envelope, deflate, serialize
@@ -64,12 +65,14 @@ class DelayedAMQP(AMQP):
 
         def send_task_message(producer, name, message, **options):
             due_ms = self.due_ms(message.headers)
-            if _is_own_retry(message.headers.get("id")):  # even countdown=0: see _own_retry_due
-                due_ms = _own_retry_due(due_ms)
-            elif due_ms is None or (due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000
-                                    and KEY_HEADER not in (options.get("headers") or {})):  # keyed: meets its key
+            if due_ms is None or (due_ms - time.time() * 1000 < self.delayed_settings.min_delay * 1000
+                                  and KEY_HEADER not in (options.get("headers") or {})):  # a keyed one meets its key
                 if batch := self._batch():
                     batch.bypass()  # what is batched is stored before this goes out
+                if _is_own_retry(task_id := message.headers.get("id")):  # as its store write (_write) is
+                    return write_retrying(send, (producer, name, message), options, forever=True,
+                                          errors=(OperationalError, *producer.connection.recoverable_connection_errors),
+                                          failed=f"the retry of task {task_id} cannot reach Celery's broker")
                 return send(producer, name, message, **options)
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
             if batch := self._batch():  # the task-sent event waits for the batch's write
@@ -203,7 +206,9 @@ class _StoreProducer:
         The retry of the task running here is retried until it is stored, whether
         Kafka or Celery's broker delivered it: given up, Celery would fail the task
         for good (``Task.retry`` turns the error into ``Reject(requeue=False)``),
-        while the task was never done.  A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
+        while the task was never done.  A retry due sooner than ``delayed_min_delay``
+        goes to Celery's broker instead, its publish retried the same way.
+        A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
         Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it.
         """
         own_retry = _is_own_retry(envelope.task_id)
@@ -272,17 +277,6 @@ def key_of(headers: dict) -> tuple[str, str] | None:
     if not isinstance(mode, str) or mode not in KEY_MODES:
         raise DelayedPublishError(f"the {KEY_MODE_HEADER} header must be one of {', '.join(KEY_MODES)}, got {mode!r}")
     return key, mode
-
-
-def _own_retry_due(due_ms: int | None) -> int:
-    """When the retry of the task running here is stored as due: its ETA, or now without one.
-
-    Every such retry goes through the store, however soon it is due (``countdown=0``
-    too), not to Celery's broker: so it is delivered by Kafka like its first attempt,
-    run once per task id, and a worker killed -9 while it runs hands it to another
-    within the run lease, not the broker's ``visibility_timeout`` later (an hour by
-    default on Redis).  The poller is woken by the write: it costs the store -> Kafka hop."""
-    return int(time.time() * 1000) if due_ms is None else due_ms
 
 
 def _is_own_retry(task_id: str | None) -> bool:

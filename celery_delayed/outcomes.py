@@ -44,10 +44,12 @@ STORE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNREACHABLE, Sto
 PERSIST_MAX_INTERVAL = 2.0
 
 def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None = None, *,
-                   failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False) -> Any:
-    """``write(*args, **kwargs)``, tried again while the store refuses it, each refusal logged as
-    ``failed`` with the error and the wait.  ``policy`` has the fields of Celery's publish retry
-    policy; ``forever`` ignores its ``max_retries`` and waits up to :data:`PERSIST_MAX_INTERVAL`."""
+                   failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False,
+                   errors: tuple[type[Exception], ...] = STORE_ERRORS) -> Any:
+    """``write(*args, **kwargs)``, tried again while it raises one of ``errors`` (the store refuses
+    it), each refusal logged as ``failed`` with the error and the wait.  ``policy`` has the fields of
+    Celery's publish retry policy; ``forever`` ignores its ``max_retries`` and waits up to
+    :data:`PERSIST_MAX_INTERVAL`."""
     policy = policy or {}
 
     def on_error(exc: Exception, intervals: Any, retries: int) -> float:
@@ -56,7 +58,7 @@ def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, 
         return wait
 
     return retry_over_time(
-        write, STORE_ERRORS, args=args, kwargs=dict(kwargs or {}), errback=on_error,
+        write, errors, args=args, kwargs=dict(kwargs or {}), errback=on_error,
         max_retries=None if forever else policy.get("max_retries", 3),
         interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
         interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))

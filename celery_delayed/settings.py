@@ -109,8 +109,7 @@ class Settings:
     topic_partitions: int = 4
     #: Replication factor of topics celery-delayed creates.
     topic_replication: int = 1
-    #: Tasks due sooner than this many seconds take Celery's normal path (a task's own retry
-    #: always goes to the store: see ``client._own_retry_due``).
+    #: Tasks due sooner than this many seconds take Celery's normal path.
     min_delay: float = 1.0
     #: Largest message, in bytes before compression (what a worker holds); larger ones
     #: are refused at apply time, and so are those whose stored form Kafka would not

@@ -15,9 +15,8 @@ import time
 
 from celery import shared_task
 
-#: Seconds before the retry of a task of each retrying kind is due (through the delayed store,
-#: ``countdown=0`` too).
-RETRY_COUNTDOWNS = {"retry": 3.0, "retry-now": 0.0}
+#: Seconds before the retry of a ``retry`` task is due (through the delayed store).
+RETRY_COUNTDOWN = 3.0
 #: Seconds a side effect's task works after writing it: a kill then is a kill mid-task.
 EFFECT_WORK_SECONDS = 0.005
 
@@ -53,8 +52,8 @@ def ledger(path: str) -> sqlite3.Connection:
 @shared_task(name="tasks.chaos.step", bind=True, max_retries=1)
 def step(self, path: str, kind: str, due_ms: int) -> str:
     """Record this execution; then, by ``kind``: ``effect`` writes a side effect keyed by the task id,
-    ``retry`` and ``retry-now`` retry once through the store (recording when the retry is due), ``fail``
-    fails for good (so it is dead-lettered).  ``due_ms`` is the task's first due time (a worker sees no ETA header)."""
+    ``retry`` retries once through the store (recording when its retry is due), ``fail`` fails for good
+    (so it is dead-lettered).  ``due_ms`` is the task's first due time (a worker sees no ETA header)."""
     start_ms = int(time.time() * 1000)
     attempt = self.request.retries or 0
     db = ledger(path)
@@ -65,11 +64,10 @@ def step(self, path: str, kind: str, due_ms: int) -> str:
                              (self.request.id, attempt, os.getpid())).rowcount
         db.execute("INSERT INTO effect_attempts VALUES (?, ?, ?)", (self.request.id, attempt, written))
         time.sleep(EFFECT_WORK_SECONDS)
-    elif kind in RETRY_COUNTDOWNS and attempt == 0:
-        countdown = RETRY_COUNTDOWNS[kind]
+    elif kind == "retry" and attempt == 0:
         db.execute("INSERT INTO retries VALUES (?, ?, ?)",
-                   (self.request.id, attempt, int((time.time() + countdown) * 1000)))
-        raise self.retry(countdown=countdown, exc=RuntimeError(f"first attempt of a {kind} task"))
+                   (self.request.id, attempt, int((time.time() + RETRY_COUNTDOWN) * 1000)))
+        raise self.retry(countdown=RETRY_COUNTDOWN, exc=RuntimeError("first attempt of a retry task"))
     elif kind == "fail":
         raise MeantToFail(f"task {self.request.id} is meant to fail")
     return kind

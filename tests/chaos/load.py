@@ -14,11 +14,10 @@ from celery import Celery
 
 from celery_delayed import store_of
 from celery_delayed.envelope import Envelope, serialize
-from tasks.chaos import RETRY_COUNTDOWNS
 
 TASK = "tasks.chaos.step"
 #: Shares of the load by kind (the rest are plain tasks); revoked and rescheduled tasks are plain ones.
-SHARES = {"retry": 0.10, "retry-now": 0.05, "effect": 0.30, "fail": 0.01, "revoke": 0.05, "reschedule": 0.05}
+SHARES = {"retry": 0.10, "effect": 0.30, "fail": 0.01, "revoke": 0.05, "reschedule": 0.05}
 #: Tasks revoked or rescheduled are picked among those due this long (s) into the window or later,
 #: so they are surely still scheduled when the preparation ends.
 SPARE_S = 10.0
@@ -26,7 +25,7 @@ REVOKE_CHUNK = 500
 #: Tasks a second sent one by one with ``apply_async`` while the faults run, beside the bulk load.
 LIVE_RATE = 5
 #: Shares of the live tasks by kind (the rest are plain), and their countdowns (s).
-LIVE_SHARES = {"retry": 0.2, "retry-now": 0.1, "effect": 0.3}
+LIVE_SHARES = {"retry": 0.3, "effect": 0.3}
 LIVE_COUNTDOWN_S = (2.0, 6.0)
 #: A live task the store refuses this long (s) is given up: it may or may not run (role ``unacked``).
 LIVE_GIVE_UP_S = 120.0
@@ -39,7 +38,7 @@ class Planned:
     """One task of the load: what it does and when it is due."""
 
     task_id: str
-    kind: str        # argument of the task: plain, effect, retry, retry-now, fail
+    kind: str        # argument of the task: plain, effect, retry, fail
     role: str        # "", revoke, reschedule; live (sent by apply_async), unacked (a live one never acknowledged)
     due_ms: int
     new_due_ms: int | None = None
@@ -52,7 +51,7 @@ class Planned:
     @property
     def final_attempt(self) -> int:
         """``request.retries`` of the attempt that ends the task."""
-        return 1 if self.kind in RETRY_COUNTDOWNS else 0
+        return 1 if self.kind == "retry" else 0
 
 
 def plan(rng: random.Random, n: int, start_ms: int, window_s: float) -> list[Planned]:

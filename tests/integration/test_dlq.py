@@ -334,7 +334,7 @@ def test_requeued_dead_letter_runs_on_a_worker(overrides, processes):
 def test_task_failing_for_good_is_parked_and_requeue_runs_it_again(overrides, processes):
     app = create_app(**overrides)
     run = uuid.uuid4().hex
-    # flaky(run, failures=9, countdown=0.2) exhausts its 5 retries, each through the store.
+    # flaky(run, failures=9, countdown=0.2) exhausts its 5 retries (the quick ones take Celery's normal path).
     result = app.tasks["tasks.demo.flaky"].apply_async((run, 9, 0.2), countdown=1.5)
     processes.poller()
     processes.worker("w1")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Iterable
+from typing import Any, Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from .settings import Settings
 
@@ -48,6 +48,54 @@ def make_producer(settings: Settings) -> Producer:
         "linger.ms": 2,
         "message.timeout.ms": min(30_000, int(settings.visibility_timeout * 800)),
     }))
+
+
+#: Consumer settings that the next-generation group protocol (KIP-848) takes from the broker
+#: (``group.consumer.session.timeout.ms``, ``group.consumer.heartbeat.interval.ms``,
+#: ``group.remote.assignor``): librdkafka refuses to build a consumer that sets one.
+BROKER_SIDE = ("session.timeout.ms", "heartbeat.interval.ms", "partition.assignment.strategy",
+               "group.protocol.type")
+#: Classic-protocol worker defaults delayed_kafka_config may override.  A worker that dies without
+#: leaving the group (kill -9, a machine lost) holds its partitions until the group misses its
+#: heartbeats this long; librdkafka's 45 s default stalls them that long.  Heartbeats come from
+#: librdkafka's own thread, so 10 s is safe for a busy worker too.
+CLASSIC_DEFAULTS = {"session.timeout.ms": 10_000}
+
+
+def group_protocol(settings: Settings, timeout: float = 10.0) -> str:
+    """The workers' group protocol: ``group.protocol`` of delayed_kafka_config, else
+    ``delayed_group_protocol``; ``auto`` is ``consumer`` when the brokers offer it
+    (``group.coordinator.rebalance.protocols``), ``classic`` when they do not or cannot be asked."""
+    chosen = settings.kafka_config.get("group.protocol") or settings.group_protocol
+    if chosen != "auto":
+        return chosen
+    admin = AdminClient(settings.kafka())
+    try:
+        brokers = admin.list_topics(timeout=timeout).brokers
+        resource = ConfigResource(ResourceType.BROKER, str(min(brokers)))
+        entries = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
+    except (KafkaException, ValueError) as exc:  # ValueError: no broker known
+        logger.warning("cannot ask Kafka which group protocols it offers (%s): using the classic one; "
+                       "set delayed_group_protocol to choose", exc)
+        return "classic"
+    entry = entries.get("group.coordinator.rebalance.protocols")
+    return "consumer" if entry is not None and "consumer" in (entry.value or "").split(",") else "classic"
+
+
+def consumer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
+    """A worker consumer's configuration on its group protocol (:func:`group_protocol`).
+
+    On the ``consumer`` protocol, the settings it refuses (:data:`BROKER_SIDE`) are left out of
+    delayed_kafka_config with one warning naming them, rather than failing every worker at start.
+    """
+    if group_protocol(settings) == "classic":
+        return settings.kafka(CLASSIC_DEFAULTS, **extra, **{"group.protocol": "classic"})
+    config = settings.kafka(**extra, **{"group.protocol": "consumer"})
+    refused = [name for name in BROKER_SIDE if name in config]
+    if refused:
+        logger.warning("Kafka's consumer group protocol sets %s on the broker (group.consumer.*): "
+                       "left out of delayed_kafka_config", ", ".join(refused))
+    return {name: value for name, value in config.items() if name not in refused}
 
 
 def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30.0) -> None:

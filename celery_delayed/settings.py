@@ -79,6 +79,10 @@ _PARSERS = {"int": _int, "bool": _bool, "float": _float, "Mapping[str, Any]": _m
             "str": _str}
 
 
+#: Values of ``delayed_group_protocol``.
+GROUP_PROTOCOLS = ("auto", "consumer", "classic")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Validated celery-delayed configuration; defaults match a local install."""
@@ -140,6 +144,12 @@ class Settings:
     metrics_port: int = 0
     #: Kafka consumer group of the workers.
     consumer_group: str = "celery-delayed"
+    #: The workers' group protocol: ``consumer`` (KIP-848: incremental, broker-driven; a
+    #: join or leave moves only the partitions that change owner), ``classic`` (every
+    #: join or leave stops the whole group), or ``auto``: ``consumer`` when the brokers
+    #: offer it (``group.coordinator.rebalance.protocols``, Kafka >= 4.0), else ``classic``.
+    #: ``group.protocol`` in delayed_kafka_config wins over this.
+    group_protocol: str = "auto"
     #: Park every task that fails for good (retries exhausted, or none allowed) in the
     #: dead-letter queue, with its arguments, error and traceback, for requeueing.
     dead_letter_failures: bool = True
@@ -150,7 +160,7 @@ class Settings:
     dlq_max_entries: int = 100_000
     #: Lease of a worker's claim to run a task_id, in seconds; extended while the
     #: task runs, so it only bounds how long a killed worker's claim blocks a rerun.
-    run_lease: float = 15.0
+    run_lease: float = 10.0
     #: Days a revoke is remembered in Redis, so a revoked task that is already on
     #: Kafka, or retries into the store, never runs, even on workers started later.
     revoke_days: float = 30.0
@@ -216,6 +226,8 @@ class Settings:
         _require(bool(_TOPIC_CHARS.match(self.topic_prefix)), "topic_prefix",
                  "may hold only letters, digits, '.', '_' and '-'")
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
+        _require(self.group_protocol in GROUP_PROTOCOLS, "group_protocol",
+                 f"must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}")
         _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
         _require(self.dlq_max_age >= 0, "dlq_max_age", "must be >= 0 seconds (0 = keep for ever)")
         _require(self.dlq_max_entries >= 0, "dlq_max_entries", "must be >= 0 (0 = no limit)")

@@ -4,6 +4,7 @@ import re
 import pytest
 from celery import Celery
 
+from celery_delayed.kafka import consumer_config
 from celery_delayed.settings import ConfigurationError, Settings, redact_url
 
 
@@ -79,11 +80,32 @@ def test_kafka_config_passes_through_and_topic_names():
 
 
 def test_kafka_defaults_give_way_to_the_users_config():
-    """The consumer's session.timeout.ms is a default: delayed_kafka_config may set another."""
-    from celery_delayed.consumer import CONSUMER_DEFAULTS
-    assert Settings().kafka(CONSUMER_DEFAULTS)["session.timeout.ms"] == 10_000
-    mine = Settings.from_mapping({"kafka_config": {"session.timeout.ms": 30_000}})
-    assert mine.kafka(CONSUMER_DEFAULTS, **{"group.id": "g"})["session.timeout.ms"] == 30_000
+    """On the classic protocol the consumer's session.timeout.ms is a default: delayed_kafka_config may set another."""
+    classic = Settings.from_mapping({"group_protocol": "classic"})
+    assert consumer_config(classic)["session.timeout.ms"] == 10_000
+    assert consumer_config(classic)["group.protocol"] == "classic"
+    mine = Settings.from_mapping({"group_protocol": "classic", "kafka_config": {"session.timeout.ms": 30_000}})
+    assert consumer_config(mine, **{"group.id": "g"})["session.timeout.ms"] == 30_000
+
+
+def test_the_consumer_protocol_leaves_out_what_only_the_broker_may_set_and_says_so(caplog):
+    """KIP-848's protocol refuses a consumer that sets session.timeout.ms and the like (every worker
+    exited at start): they are left out, with one warning naming each."""
+    mine = Settings.from_mapping({"group_protocol": "consumer", "kafka_config": {
+        "session.timeout.ms": 30_000, "partition.assignment.strategy": "roundrobin", "security.protocol": "SSL"}})
+    with caplog.at_level("WARNING"):
+        config = consumer_config(mine, **{"group.id": "g"})
+    assert config == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "SSL", "group.id": "g",
+                      "group.protocol": "consumer"}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "session.timeout.ms" in warning and "partition.assignment.strategy" in warning
+    assert consumer_config(Settings.from_mapping({"kafka_config": {"group.protocol": "classic"}}))[
+        "group.protocol"] == "classic"  # the user's group.protocol wins over auto
+
+
+def test_an_unknown_group_protocol_is_refused():
+    with pytest.raises(ConfigurationError, match="delayed_group_protocol.*auto, consumer, classic"):
+        Settings.from_mapping({"group_protocol": "eager"})
 
 
 def test_booleans_from_the_environment():

@@ -29,7 +29,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from .durability import worker_preflight
 from .envelope import Envelope
 from .intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
-from .kafka import ensure_topics
+from .kafka import consumer_config, ensure_topics
 from .offsets import OffsetTracker
 from .once import Admit, Copy, RunClaims, admit, attempt_of
 from .settings import Settings
@@ -50,15 +50,6 @@ MAX_POLL_GAP = 60.0
 #: Records of one Kafka partition read and not yet committable (settled ones behind a task
 #: still running) at which that partition is paused; each would run again if the worker died.
 MAX_UNCOMMITTED = 10_000
-#: Consumer settings delayed_kafka_config may override.  A worker that dies without leaving the
-#: group (kill -9, a machine lost) holds its partitions until the group misses its heartbeats for
-#: session.timeout.ms; and a worker whose session lapsed in a Kafka outage rejoins as a new member,
-#: which the restarted coordinator makes wait out its old one.  librdkafka's 45 s default stalls
-#: those partitions that long; heartbeats come from librdkafka's own thread, so 10 s is safe for
-#: a busy worker too.
-CONSUMER_DEFAULTS = {"session.timeout.ms": 10_000}
-#: Longest a stopped feed keeps committing for tasks still in hand (s).
-DRAIN_TIMEOUT = 60.0
 #: Seconds between two tries of an admission that failed (the store or result backend down).
 ADMISSION_RETRY = 1.0
 
@@ -113,9 +104,7 @@ class KafkaFeed:
         self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
         self._admit_at = 0.0
         self._scheduled = False
-        self._running = threading.Event()
         self._reading = threading.Event()
-        self._drain_until = 0.0
         self._room = threading.Event()  # set when a settle frees a prefetch slot
         self.intake = Intake(c, self.store, self.claims, self.offsets, on_settled=self._room.set)
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
@@ -140,37 +129,38 @@ class KafkaFeed:
             ensure_topics(self.settings, self.queues)
         except KafkaException as exc:  # a restart while Kafka is down: subscribe anyway, read once it is back
             logger.warning("cannot check the Kafka topics of %s now (%s); consuming once they answer", self.queues, exc)
-        self._consumer = Consumer(self.settings.kafka(CONSUMER_DEFAULTS, **{
+        config = consumer_config(self.settings, **{
             "group.id": self.settings.consumer_group,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
             "queued.max.messages.kbytes": 16384,  # bound what librdkafka prefetches
-        }))
+        })
+        self._consumer = Consumer(config)
         self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
                                  on_assign=self._on_assign, on_revoke=self._on_revoke)
         self._wakeup = Wakeup(self.c.hub, self._drain)
-        self._running.set()
         self._reading.set()
         _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
         self._thread.start()
-        logger.info("consuming Kafka topics %s", [self.settings.topic(q) for q in self.queues])
+        logger.info("consuming Kafka topics %s (group %s, group protocol %s)", [self.settings.topic(q) for q in self.queues],
+                    self.settings.consumer_group, config["group.protocol"])
 
     def stop(self) -> None:
-        """Stop reading, but keep committing while the tasks in hand that still run finish.
+        """Hand this worker's partitions over now: stop reading, commit what is settled and leave
+        the consumer group, so the other workers read the partitions at once (a deploy costs no
+        lateness), while the tasks in hand that run here finish.
 
-        On a warm shutdown Celery stops this step before its pool, so the
-        running tasks settle afterwards: the thread commits their offsets as
-        they do, and closes once none is left, after ``DRAIN_TIMEOUT``, or on
-        ``worker_shutdown`` (sent after the pool stopped), whichever is first.
-        Celery drops the requests it had reserved but not started when its
-        consumer stops (a broker reconnect): those are never settled, so they
-        are not waited for, and their records are read again by the next
-        consumer (see :meth:`.Intake.let_go`).
+        On a warm shutdown Celery stops this step before its pool, so those
+        tasks settle after the group was left: their records are read again by
+        the partitions' new owners, which find them running (their run claims,
+        still extended here) or finished, and never run them twice.  Celery
+        drops the requests it had reserved but not started when its consumer
+        stops: their claims are given up (see :meth:`.Intake.let_go`) and the
+        new owners run them at once.
         """
         self.intake.let_go({request.id for request in worker_state.active_requests})
-        self._drain_until = time.monotonic() + DRAIN_TIMEOUT
         self._reading.clear()
         self._room.set()
         self._drop_ready()
@@ -178,34 +168,29 @@ class KafkaFeed:
             self._wakeup.unwatch()
 
     def close(self) -> None:
-        """Commit what is settled and leave the consumer group now."""
-        self._running.clear()
+        """Wait until the consumer thread left the group, and tell Redis the claims given up since."""
+        self._reading.clear()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.claims.flush()
 
     def _run(self) -> None:
         consumer = self._consumer
         last_commit = time.monotonic()
         full_since: float | None = None
         try:
-            while self._running.is_set():
+            while self._reading.is_set():
                 try:
-                    if not self._reading.is_set():
-                        if not self.intake.draining or time.monotonic() > self._drain_until:
-                            break
-                        consumer.pause(consumer.assignment())
-                        consumer.consume(num_messages=1, timeout=0.05)  # serve rebalances; paused: no records
+                    self._pause_long_backlogs(consumer)
+                    room = self._max_unsettled() - self.offsets.unsettled()
+                    if self._unadmitted and time.monotonic() >= self._admit_at:
+                        self._admit()
+                    elif room > 0 and not self._unadmitted:
+                        full_since = None
+                        self._read(consumer, room)
                     else:
-                        self._pause_long_backlogs(consumer)
-                        room = self._max_unsettled() - self.offsets.unsettled()
-                        if self._unadmitted and time.monotonic() >= self._admit_at:
-                            self._admit()
-                        elif room > 0 and not self._unadmitted:
-                            full_since = None
-                            self._read(consumer, room)
-                        else:
-                            full_since = self._wait_for_room(consumer, full_since or time.monotonic())
+                        full_since = self._wait_for_room(consumer, full_since or time.monotonic())
                     self.claims.flush()
                     if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                         self._commit(self.offsets.committable())
@@ -215,7 +200,7 @@ class KafkaFeed:
                     time.sleep(1)
         finally:
             self._commit(self.offsets.committable())
-            consumer.close()
+            consumer.close()  # leaves the group: its partitions go to the other members now
             self._drop_ready()
             self.claims.flush()
             self._wakeup.close()

@@ -9,6 +9,7 @@ releases its run claim; a requeue goes back through the store.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import traceback
@@ -61,8 +62,7 @@ def _restore_eta(request: Any = None, **_: Any) -> None:
 class Intake:
     """Acts, on the worker's event loop, on the records the feed admitted (:meth:`dispatch`).
 
-    ``in_hand``: task ids given to Celery and not settled yet; ``draining``: once
-    the feed stopped, the running ones of them, waited for.  ``on_settled`` is
+    ``in_hand``: task ids given to Celery and not settled yet.  ``on_settled`` is
     called after each settle (a prefetch slot is free).
     """
 
@@ -76,10 +76,11 @@ class Intake:
         self.dead_letters = DeadLetters(store)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
         self.in_hand: set[str] = set()
-        self.draining: set[str] = set()
         self._on_settled = on_settled
         self._requests: dict[str, Any] = {}  # Celery's request of each task in hand, once it made one
+        self._jobs: dict[str, Any] = {}  # their pool jobs, kept from the start of a warm shutdown
         signals.task_received.connect(self._on_received)  # weakly: gone with this intake
+        signals.worker_shutting_down.connect(self._keep_jobs)
 
     def dispatch(self, arrival: Arrival) -> None:
         """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
@@ -163,7 +164,8 @@ class Intake:
         if (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
             headers["eta"] = eta if start_ms == due_ms else iso_of(start_ms)
         headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": claimed_ms,
-                               "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms}
+                               "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms,
+                               "owner": self.claims.owner}
         return Message(body=envelope.body, content_type=envelope.content_type,
                        content_encoding=envelope.content_encoding, headers=headers,
                        properties=envelope.properties, accept=self.accept, channel=None,
@@ -171,16 +173,19 @@ class Intake:
                                       "routing_key": envelope.routing_key or envelope.queue})
 
     def let_go(self, running: set[str]) -> None:
-        """Once the feed stopped: wait for the tasks in hand that run (``draining``) and stop
-        holding the others.  Those Celery dropped never run, so their claims are released and the
-        copies the next consumer reads run at once; the others' claims are no longer extended:
-        they lapse after the run lease unless the task settles first, and a copy read meanwhile
-        waits in the store for it (unless the original is held up past the lease)."""
-        self.draining = self.in_hand & running
+        """Once the feed stopped: give up the run claims of the tasks in hand that can never run here,
+        so the copies the partitions' next readers get run at once.
+
+        The claims of the others stay held and extended: the running ones until Celery
+        settles them; one whose job Celery flushed out of its pool after writing it to a
+        child (which runs it unheard of) until that child ends it (:func:`.once.remember_finished`);
+        one whose fate cannot be told (Celery < 5.7) is no longer extended and lapses after the
+        run lease.  A copy read meanwhile waits in the store for the claim."""
         for task_id in self.in_hand - running:
-            if self._dropped_by_celery(task_id):
+            fate = self._fate(task_id)
+            if fate is _Fate.NEVER:
                 self.claims.release(task_id)
-            else:
+            elif fate is _Fate.UNKNOWN:
                 self.claims.forget(task_id)
             self._untrack(task_id)
 
@@ -190,18 +195,33 @@ class Intake:
         if request is not None and request.id in self.in_hand:
             self._requests[request.id] = request
 
-    def _dropped_by_celery(self, task_id: str) -> bool:
-        """Whether Celery dropped the request of ``task_id`` without giving it to its pool, so it can
-        never run: its consumer restarted (a broker reconnect) while the request waited for its ETA,
-        a pool slot or a rate limit, and forgot it.  A request already given to the pool may still
-        run (a job written to a child, a threads pool's queue), so it is never counted as dropped."""
+    def _keep_jobs(self, **_: Any) -> None:
+        """At the start of a warm shutdown (``worker_shutting_down``), before Celery flushes its pool:
+        hold the pool job of each request in hand, which Celery refers to weakly only, so that
+        :meth:`_fate` can still see afterwards whether it was written to a child."""
+        for task_id, request in self._requests.items():
+            if request._apply_result is not None:
+                self._jobs[task_id] = request._apply_result()
+
+    def _fate(self, task_id: str) -> _Fate:
+        """Whether the task of a request in hand, not running, may still run once Celery stopped its
+        consumer (which flushes the pool: a prefork job not yet written to a child is dropped)."""
         request = self._requests.get(task_id)
-        return (_DROPS_ARE_FORGOTTEN and request is not None and request._apply_result is None
-                and worker_state.requests.get(task_id) is not request)
+        if request is None or not _DROPS_ARE_FORGOTTEN:
+            return _Fate.UNKNOWN
+        if request._apply_result is None:  # never given to the pool: dropped, unless Celery still has it
+            return _Fate.NEVER if worker_state.requests.get(task_id) is not request else _Fate.UNKNOWN
+        job = self._jobs.get(task_id) or request._apply_result()
+        if job is None:
+            return _Fate.UNKNOWN
+        if getattr(job, "_write_to", True) is None and not job._accepted:  # prefork: flushed unwritten
+            return _Fate.NEVER
+        return _Fate.MAY_RUN
 
     def _untrack(self, task_id: str) -> None:
         self.in_hand.discard(task_id)
         self._requests.pop(task_id, None)
+        self._jobs.pop(task_id, None)
 
     def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
         """Put a rejected task back in the store, then settle it; while the store is down, try
@@ -225,7 +245,6 @@ class Intake:
 
     def _release(self, task_id: str) -> None:
         self._untrack(task_id)
-        self.draining.discard(task_id)
         self.claims.release(task_id)
 
     def _skip_finished(self, task_id: str, record: Any, partition: PartitionOffsets,
@@ -292,6 +311,14 @@ def replace_key(headers: dict) -> str | None:
     """The ``delayed_key`` of a replace-mode task (it runs only while its key names it), else None."""
     key = headers.get(KEY_HEADER)
     return key if isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace" else None
+
+
+class _Fate(enum.Enum):
+    """Whether a task in hand, not running, may still run after Celery stopped its consumer."""
+
+    NEVER = "never"  # dropped by Celery: its run claim is given up
+    MAY_RUN = "may run"  # in its pool: the claim stays held
+    UNKNOWN = "unknown"  # cannot be told: the claim lapses after the run lease
 
 
 class _Unrunnable(Exception):

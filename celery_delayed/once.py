@@ -126,8 +126,12 @@ class RunClaims:
         self._flush_failing = False
 
     def _keep(self) -> None:
+        """Each third of a lease: tell Redis the releases pending (a stopped feed no longer does) and
+        extend every claim held; one no longer ours (released by the pool child that ran its task,
+        or lapsed and taken by another worker) is dropped."""
         while True:
             time.sleep(self.lease_ms / 3000)
+            self.flush()
             with self._lock:
                 held = list(self._held)
             if not held:
@@ -136,9 +140,12 @@ class RunClaims:
                 pipe = self.redis.pipeline(transaction=False)
                 for task_id in held:
                     self._extend(keys=[self.keys.run(task_id)], args=[self.owner, self.lease_ms], client=pipe)
-                execute(self.redis, pipe)
+                lost = [task_id for task_id, extended in zip(held, execute(self.redis, pipe)) if not extended]
             except STORE_ERRORS as exc:  # try again next round, well within the lease
                 logger.warning("could not extend %d run claims: %s", len(held), exc)
+                continue
+            with self._lock:
+                self._held.difference_update(lost)
 
 
 #: The finished record of a task id that ended for good (else: the attempt that retried).
@@ -243,7 +250,8 @@ def remember_finished(app: Celery) -> None:
             record = str(sender.request.retries or 0)
         else:
             return
-        if not getattr(sender.request, FROM_KAFKA, None):
+        marks = getattr(sender.request, FROM_KAFKA, None)
+        if not marks:
             return
         store = app.amqp.delayed_store
         key = getattr(sender.request, KEY_HEADER, None)
@@ -253,14 +261,22 @@ def remember_finished(app: Celery) -> None:
             except STORE_ERRORS as exc:  # a stale holder only costs memory: a new task replaces it
                 logger.warning("task %s finished, but its key %r could not be released: %s", task_id, key, exc)
         ttl_ms = int(store.settings.done_ttl * 1000)
-        if ttl_ms <= 0:
-            return
         try:
-            store.redis.set(store.keys.done(task_id), record, px=ttl_ms)
+            if ttl_ms > 0:
+                store.redis.set(store.keys.done(task_id), record, px=ttl_ms)
+            if isinstance(marks, dict) and isinstance(marks.get("owner"), str):  # once the end is known
+                _release_here(store, task_id, marks["owner"])
         except STORE_ERRORS as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
     signals.task_postrun.connect(on_postrun, weak=False)
+
+
+def _release_here(store: DelayedStore, task_id: str, owner: str) -> None:
+    """Give up the run claim of a task that ended, from the process that ran it: its worker's main
+    process does too when Celery settles the task, but not for a job Celery flushed out of its pool
+    after writing it to a child (a warm shutdown), whose end it never hears of."""
+    store.scripts["release"](keys=[store.keys.run(task_id)], args=[owner])
 
 
 def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:

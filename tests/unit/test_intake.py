@@ -94,3 +94,51 @@ def test_a_record_failing_by_a_transient_error_is_tried_again_for_as_long_as_it_
         later.clear()
     feed._drain()
     assert intake.parked == [] and intake.handed == ["blink", "next"]
+
+
+class _Job:
+    """A pool job as billiard's ApplyResult shows it: written to a child or not, accepted or not."""
+
+    def __init__(self, **state) -> None:
+        self.__dict__.update(state)
+
+
+class _Claims:
+    def __init__(self) -> None:
+        self.released, self.forgotten = [], []
+
+    def release(self, task_id: str) -> None:
+        self.released.append(task_id)
+
+    def forget(self, task_id: str) -> None:
+        self.forgotten.append(task_id)
+
+
+def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_those_of_what_may():
+    """After Celery stopped its consumer (which flushes the pool): a prefork job flushed before it was
+    written to a child never runs here (F3: its claim is given up, so the next worker runs it at once);
+    one written to a child runs there unheard of (F1: its claim stays held until the child ends it); a
+    threads-pool job still runs; a request never given to the pool and dropped is given up; one whose
+    job Celery no longer refers to cannot be told, and lapses.  The jobs, which Celery refers to only
+    weakly, are held from the start of the warm shutdown, so the flush does not hide them."""
+    import weakref
+
+    from celery.worker import state as worker_state
+
+    from celery_delayed.intake import Intake
+
+    jobs = {"unwritten": _Job(_write_to=None, _accepted=False), "written": _Job(_write_to="child", _accepted=False),
+            "threads": _Job()}
+    requests = {task_id: SimpleNamespace(id=task_id, _apply_result=weakref.ref(job)) for task_id, job in jobs.items()}
+    requests["dropped"] = SimpleNamespace(id="dropped", _apply_result=None)
+    requests["gone"] = SimpleNamespace(id="gone", _apply_result=weakref.ref(_Job()))  # already collected
+    intake = object.__new__(Intake)
+    intake.claims, intake._requests, intake._jobs = _Claims(), dict(requests), {}
+    intake.in_hand = set(requests) | {"running"}
+    intake._keep_jobs()  # worker_shutting_down
+    del jobs  # Celery's pool flush drops its own references
+    assert "dropped" not in worker_state.requests
+    intake.let_go(running={"running"})
+    assert sorted(intake.claims.released) == ["dropped", "unwritten"]
+    assert intake.claims.forgotten == ["gone"]
+    assert intake.in_hand == {"running"}

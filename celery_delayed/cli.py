@@ -4,6 +4,7 @@ Registered through Celery's ``celery.commands`` entry point, like Flower.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -16,6 +17,7 @@ from typing import Callable, Iterator
 
 import click
 import prometheus_client
+from confluent_kafka import KafkaException
 from celery.bin.base import CeleryCommand, handle_preload_options
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -25,6 +27,7 @@ from rich.text import Text
 from . import browse, store_of
 from .browse import Filter, parse_move, parse_when
 from .dlq import DeadLetterError, DeadLetters
+from .kafka import fleet, grow_topic
 from .layout import iso_of
 from .outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
 from .poller import Poller
@@ -103,6 +106,38 @@ def status(ctx: click.Context, as_json: bool) -> None:
     table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--grow", "queue", metavar="QUEUE", help="Give this queue's topic more partitions (--partitions).")
+@click.option("--partitions", type=click.IntRange(min=1), help="With --grow: the partitions it is to have in all.")
+@click.pass_context
+def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int | None) -> None:
+    """Per queue: its Kafka topic's partitions, the workers reading them, and their lag (records not
+    committed); the workers that read nothing.  A queue's topic feeds at most one worker per partition."""
+    settings = _load(ctx, check=False)[0]
+    if (queue is None) != (partitions is None):
+        raise click.UsageError("--grow QUEUE and --partitions N go together")
+    try:
+        if queue is not None:
+            grow_topic(settings, queue, partitions)
+            err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
+        state = fleet(settings)
+    except (KafkaException, ValueError) as exc:
+        raise click.ClickException(f"Kafka: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}))
+        return
+    table = Table("queue", "topic", "partitions", "workers reading", "lag")
+    for topic in state.topics:
+        table.add_row(topic.queue, settings.topic(topic.queue), str(topic.partitions), str(topic.consumers),
+                      str(topic.lag))
+    console.print(table)
+    if state.idle:
+        err_console.print(f"[yellow]{state.idle} worker(s) of group {settings.consumer_group} read no partition: "
+                          "their queues have more consumers than partitions. Grow a topic with "
+                          "`celery -A proj delayed topics --grow QUEUE --partitions N`.")
 
 
 def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> str:

@@ -52,6 +52,8 @@ MAX_POLL_GAP = 60.0
 MAX_UNCOMMITTED = 10_000
 #: Seconds between two tries of an admission that failed (the store or result backend down).
 ADMISSION_RETRY = 1.0
+#: Seconds a worker reads no partition of its queues' topics before it says so (once, until it reads one).
+IDLE_WARNING = 15.0
 
 #: Feeds whose thread still runs, closed for good on ``worker_shutdown``.
 _feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
@@ -108,6 +110,7 @@ class KafkaFeed:
         self._room = threading.Event()  # set when a settle frees a prefetch slot
         self.intake = Intake(c, self.store, self.claims, self.offsets, on_settled=self._room.set)
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
+        self._idle_since: float | None = time.monotonic()  # reading no partition since (None: said so)
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
         self._wakeup: Wakeup | None = None
@@ -192,6 +195,7 @@ class KafkaFeed:
                     else:
                         full_since = self._wait_for_room(consumer, full_since or time.monotonic())
                     self.claims.flush()
+                    self._warn_if_idle(consumer)
                     if time.monotonic() - last_commit >= COMMIT_INTERVAL:
                         self._commit(self.offsets.committable())
                         last_commit = time.monotonic()
@@ -205,6 +209,20 @@ class KafkaFeed:
             self.claims.flush()
             self._wakeup.close()
             _feeds.discard(self)
+
+    def _warn_if_idle(self, consumer: Consumer) -> None:
+        """Say once when this worker has read no partition for :data:`IDLE_WARNING` s: more workers
+        consume its queues than their topics have partitions, and it stays idle for delayed tasks."""
+        if self.offsets.backlogs():
+            self._idle_since = time.monotonic()
+        elif self._idle_since is not None and time.monotonic() - self._idle_since > IDLE_WARNING:
+            self._idle_since = None
+            counts = {t: len(m.partitions) for t, m in consumer.list_topics(timeout=5).topics.items()
+                      if t in {self.settings.topic(q) for q in self.queues}}
+            logger.warning("this worker reads none of the partitions of %s (%s in all, each read by another "
+                           "worker): more workers consume these queues than their topics have partitions, so it "
+                           "runs none of their delayed tasks; grow a topic with `celery -A proj delayed topics "
+                           "--grow QUEUE --partitions N`", sorted(counts), sum(counts.values()))
 
     def _wait_for_room(self, consumer: Consumer, full_since: float) -> float:
         """Hold off reading while the worker holds its prefetch limit; returns the new ``full_since``.

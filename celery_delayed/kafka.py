@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic, ResourceType
 
 from .settings import Settings
 
@@ -146,3 +147,53 @@ def consumer_lag(settings: Settings, timeout: float = 5.0) -> dict[str, int]:
         return lag
     finally:
         probe.close()
+
+
+@dataclass(frozen=True)
+class QueueTopic:
+    """A queue's ready topic as the workers' group reads it."""
+
+    queue: str
+    partitions: int
+    consumers: int  # members of the workers' group reading at least one of its partitions
+    lag: int  # records not committed by the group yet
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The ready topics, and the members of the workers' group that read no partition at all: more
+    workers consume their queues than those queues' topics have partitions (they stay idle)."""
+
+    topics: list[QueueTopic]
+    idle: int
+
+
+def fleet(settings: Settings, timeout: float = 5.0) -> Fleet:
+    """How the workers' group reads the ready topics (``celery delayed topics``, the metrics)."""
+    admin = AdminClient(settings.kafka())
+    names = {name: len(meta.partitions) for name, meta in admin.list_topics(timeout=timeout).topics.items()
+             if name.startswith(settings.topic_prefix)}
+    group = settings.consumer_group
+    (described,) = admin.describe_consumer_groups([group], request_timeout=timeout).values()
+    readers: dict[str, int] = {}
+    idle = 0
+    for member in described.result(timeout).members:
+        read = {tp.topic for tp in (member.assignment.topic_partitions if member.assignment else [])}
+        idle += not read
+        for topic in read:
+            readers[topic] = readers.get(topic, 0) + 1
+    lag = consumer_lag(settings, timeout)
+    prefix = len(settings.topic_prefix)
+    return Fleet([QueueTopic(name[prefix:], partitions, readers.get(name, 0), lag.get(name[prefix:], 0))
+                  for name, partitions in sorted(names.items())], idle)
+
+
+def grow_topic(settings: Settings, queue: str, partitions: int, timeout: float = 30.0) -> None:
+    """Give a queue's ready topic ``partitions`` partitions in all (Kafka adds, never removes, them).
+
+    Tasks are keyed by task id, which then maps to another partition: harmless here, since
+    run claims, not the order of a partition, keep a task to one run.
+    """
+    topic = settings.checked_topic(queue)
+    admin = AdminClient(settings.kafka())  # kept until the answer: a handle destroyed meanwhile fails it
+    admin.create_partitions([NewPartitions(topic, partitions)], request_timeout=timeout)[topic].result(timeout)

@@ -148,13 +148,22 @@ class StoreCollector(Collector):
         yield from (scheduled, inflight, overdue, overdue_age, dead, dead_age)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
-        from .kafka import consumer_lag
+        from .kafka import fleet
 
+        state = fleet(self.app.amqp.delayed_settings)
         lag = GaugeMetricFamily("celery_delayed_consumer_lag", "Records on a queue's topic the workers have not "
                                 "committed yet", labels=["queue"])
-        for queue, records in sorted(consumer_lag(self.app.amqp.delayed_settings).items()):
-            lag.add_metric([queue], records)
-        yield lag
+        partitions = GaugeMetricFamily("celery_delayed_topic_partitions", "Partitions of a queue's topic (at most "
+                                       "one worker reads each)", labels=["queue"])
+        readers = GaugeMetricFamily("celery_delayed_topic_workers", "Workers reading a queue's topic", labels=["queue"])
+        for topic in state.topics:
+            lag.add_metric([topic.queue], topic.lag)
+            partitions.add_metric([topic.queue], topic.partitions)
+            readers.add_metric([topic.queue], topic.consumers)
+        idle = GaugeMetricFamily("celery_delayed_idle_workers", "Workers of the group reading no partition: "
+                                 "their queues have more consumers than partitions")
+        idle.add_metric([], state.idle)
+        yield from (lag, partitions, readers, idle)
 
 
 _collector: StoreCollector | None = None

@@ -2,6 +2,7 @@
 and the jobs Celery flushes out of its pool when a worker stops (real workers, Kafka, Redis)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +38,19 @@ def warm_stop_soon(processes, worker: subprocess.Popen) -> threading.Thread:
 
 def assigned(processes, worker: subprocess.Popen) -> bool:
     return "assigned Kafka partitions" in processes.log(worker)
+
+
+def one_reading_one_waiting(overrides: dict, processes) -> tuple:
+    """A poller and two workers of one pool slot each on a topic of one partition: the first reads
+    it, the second waits for it.  Returns the app, a run id, the store's Redis and both workers."""
+    app = create_app(**overrides)
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first = processes.worker("w1", "-c", "1")
+    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partition")
+    second = processes.worker("w2", "-c", "1")
+    wait_for(lambda: "ready." in processes.log(second), 60, "the second worker")
+    return app, uuid.uuid4().hex, r, first, second
 
 
 @pytest.mark.parametrize("protocol", ["consumer", "classic"])
@@ -94,14 +108,7 @@ def test_a_request_waiting_for_a_pool_slot_at_a_warm_stop_runs_on_the_next_worke
     there: Celery drops it.  Its run claim is given up and the partition handed over at once, so the
     next worker runs it without waiting for the busy task to end, nor for the run lease (30 s here)."""
     overrides.update(delayed_topic_partitions=1, delayed_dispatch_lead=0, delayed_run_lease=30)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "-c", "1")
-    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partition")
-    second = processes.worker("w2", "-c", "1")
-    wait_for(lambda: "ready." in processes.log(second), 60, "the second worker")
+    app, run, r, first, second = one_reading_one_waiting(overrides, processes)
     busy = due_in(app, "tasks.demo.work", (run, 10.0), seconds=1.5)
     wait_for(lambda: busy.id in runs(r, run), 60, "the task keeping the only child busy to start")
     waiting = due_in(app, "tasks.demo.work", (run,), seconds=2.0)
@@ -126,14 +133,7 @@ def test_a_job_flushed_from_the_pool_after_it_reached_a_child_runs_once(override
     The claim is now kept until the child ends the task.  (The child is SIGSTOPped while the job is
     written to it, so the moment is certain.)"""
     overrides.update(delayed_topic_partitions=1, delayed_dispatch_lead=0, delayed_run_lease=4)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "-c", "1")
-    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partition")
-    second = processes.worker("w2", "-c", "1")
-    wait_for(lambda: "ready." in processes.log(second), 60, "the second worker")
+    app, run, r, first, second = one_reading_one_waiting(overrides, processes)
     (child,) = pool_children(first)
     os.kill(child, signal.SIGSTOP)
     try:
@@ -150,3 +150,30 @@ def test_a_job_flushed_from_the_pool_after_it_reached_a_child_runs_once(override
     print(f"\nflushed after reaching a child: runs {runs(r, run)}")
     assert runs(r, run) == {task.id: 1}
     stopping.join(120)
+
+
+def test_a_queue_with_more_workers_than_partitions_says_so_and_its_topic_grows(overrides, processes):
+    """Two workers on a queue whose topic has one partition: the one left without it says so in its
+    log, ``delayed topics`` counts it idle; ``--grow`` gives the topic a second partition, and then
+    each worker reads one."""
+    from .test_cli import celery
+
+    overrides.update(delayed_topic_partitions=1)
+    queue = overrides["task_default_queue"]
+    workers = [processes.worker(name, "-c", "1") for name in ("w1", "w2")]
+    wait_for(lambda: any(assigned(processes, w) for w in workers), 60, "a worker to take the partition")
+    said = "reads none of the partitions"
+    wait_for(lambda: sum(said in processes.log(w) for w in workers) == 1, 60, "the idle worker to say so")
+
+    def fleet() -> dict:
+        out = celery(overrides, "delayed", "topics", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    assert fleet() == {"topics": [{"queue": queue, "partitions": 1, "consumers": 1, "lag": 0}], "idle_workers": 1}
+    grown = celery(overrides, "delayed", "topics", "--grow", queue, "--partitions", "2")
+    assert grown.returncode == 0, grown.stderr
+    wait_for(lambda: fleet() == {"topics": [{"queue": queue, "partitions": 2, "consumers": 2, "lag": 0}],
+                                 "idle_workers": 0}, 60, "each worker to read one partition")
+    bad = celery(overrides, "delayed", "topics", "--grow", queue)
+    assert bad.returncode != 0 and "go together" in bad.stderr

@@ -110,7 +110,7 @@ class Settings:
     #: Kafka topic of queue ``q`` is ``topic_prefix + q``.
     topic_prefix: str = "celery-delayed."
     #: Partitions of each ready topic when celery-delayed creates it.
-    topic_partitions: int = 4
+    topic_partitions: int = 16
     #: Replication factor of topics celery-delayed creates.
     topic_replication: int = 1
     #: Tasks due sooner than this many seconds take Celery's normal path.

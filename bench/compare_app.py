@@ -37,7 +37,7 @@ def create_app(system: str, **overrides: object) -> Celery:
 
 def run_keys(run: str) -> list[str]:
     """The keys :func:`noop` writes for one run."""
-    return [f"compare:{run}:{kind}" for kind in ("runs", "lag", "per_s")]
+    return [f"compare:{run}:{kind}" for kind in ("runs", "lag", "per_s", "host")]
 
 
 def read_run(records: redis.Redis, run: str) -> tuple[dict[str, int], list[int], dict[int, int]]:
@@ -48,9 +48,16 @@ def read_run(records: redis.Redis, run: str) -> tuple[dict[str, int], list[int],
     return runs, lags, per_s
 
 
+def read_starts(records: redis.Redis, run: str) -> dict[str, tuple[int, str]]:
+    """Per task id of one run: the lag (ms) of its first start and the worker (hostname) that started it."""
+    lags = records.hgetall(f"compare:{run}:lag")
+    hosts = records.hgetall(f"compare:{run}:host")
+    return {k.decode(): (int(v), hosts.get(k, b"?").decode()) for k, v in lags.items()}
+
+
 def noop(task, run: str, due_ms: int) -> None:
-    """Count this execution of the task id; keep the lag (ms) of its first start behind its due time,
-    and count the starts of each second (epoch s)."""
+    """Count this execution of the task id; keep the lag (ms) of its first start behind its due time
+    and the worker that started it, and count the starts of each second (epoch s)."""
     global _records
     started_ms = int(time.time() * 1000)
     _records = _records or redis.Redis.from_url(RECORDS)
@@ -58,6 +65,7 @@ def noop(task, run: str, due_ms: int) -> None:
     pipe.hincrby(f"compare:{run}:runs", task.request.id, 1)
     pipe.hsetnx(f"compare:{run}:lag", task.request.id, started_ms - due_ms)
     pipe.hincrby(f"compare:{run}:per_s", started_ms // 1000, 1)
+    pipe.hsetnx(f"compare:{run}:host", task.request.id, task.request.hostname or "?")  # bench.fleet's
     pipe.execute()
 
 

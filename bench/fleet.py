@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -122,10 +123,15 @@ class Member:
 
 
 def reason(log: str) -> str:
-    """What a process's log says made it stop: its last CRITICAL or ERROR line, else its last line."""
+    """What a process's log says made it stop: its last CRITICAL or ERROR line (less its time), else its last line."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
     bad = [line for line in lines if "CRITICAL/" in line or "ERROR/" in line]
-    return ((bad or lines or ["(empty log)"])[-1])[:400]
+    return re.sub(r"^\[[^]]*\] ", "", (bad or lines or ["(empty log)"])[-1])[:400]
+
+
+#: A worker's log line saying which Kafka partitions it was given or lost (celery_delayed.consumer).
+_PARTITIONS = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/MainProcess\] "
+                         r"(?:assigned Kafka partitions (\[.*\])|Kafka partitions (\[.*\]) revoked)")
 
 
 class Fleet:
@@ -186,6 +192,32 @@ class Fleet:
             raise SystemFailed(f"the poller exited ({self.poller.returncode}): {reason(self.procs.log(self.poller))}")
         if not self.live():
             raise SystemFailed(f"every worker exited; the last one {self.members[-1].how}")
+
+    def partition_gaps(self) -> list[tuple[float, float]]:
+        """When a topic partition had no live owner, from the workers' logs: ``(from, until)`` epoch s,
+        from its revoke (or its owner's end: a worker killed -9 logs none) until it was assigned again."""
+        owned: list[tuple[int, float, float]] = []
+        for member in self.members:
+            held: dict[int, float] = {}
+            for line in self.procs.log(member.proc).splitlines():
+                if not (match := _PARTITIONS.match(line)):
+                    continue
+                at = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local time, as logged
+                for partition in map(int, re.findall(r"\[(\d+)\]'", match[2] or match[3])):
+                    if match[2]:
+                        held[partition] = at
+                    elif partition in held:
+                        owned.append((partition, held.pop(partition), at))
+            owned += [(partition, since, member.ended or time.time()) for partition, since in held.items()]
+        gaps = []
+        for partition in {p for p, _, _ in owned}:
+            spans = sorted((since, until) for p, since, until in owned if p == partition)
+            reach = spans[0][1]
+            for since, until in spans[1:]:
+                if since > reach:
+                    gaps.append((reach, since))
+                reach = max(reach, until)
+        return gaps
 
     def pause(self, seconds: float) -> None:
         """Sleep ``seconds``, watching the fleet meanwhile."""
@@ -321,7 +353,7 @@ def run_system(key: str, system: System, opts: argparse.Namespace, progress: Pro
                 "machine_busy_cores": cpu["machine"], "load_1m": load,
                 "members": [{"name": m.name, "started": m.started, "ready": m.ready, "ended": m.ended, "how": m.how}
                             for m in fleet.members],
-                **analyse(sender.sent, starts, events)}
+                **analyse(sender.sent, starts, events, fleet.partition_gaps() if system.app != "native" else None)}
     finally:
         procs.stop_all()
         servers = {f"delayed_{name}": value for name, value in _servers().items()}  # the CD_* ports
@@ -333,9 +365,10 @@ def phase_of(due_s: float, events: list[dict[str, Any]]) -> str:
     return next((e["phase"] for e in reversed(events) if due_s >= e["start"]), "steady")
 
 
-def analyse(sent: list[tuple[str, int]], starts: dict[str, tuple[int, str]],
-            events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per phase: tasks, lateness and not run; the scaled-out fleet's tasks per worker; the kill's
+def analyse(sent: list[tuple[str, int]], starts: dict[str, tuple[int, str]], events: list[dict[str, Any]],
+            gaps: list[tuple[float, float]] | None) -> dict[str, Any]:
+    """Per phase: tasks, lateness, not run and the longest a topic partition had no live owner (a
+    gap belongs to the phase it began in); the scaled-out fleet's tasks per worker; the kill's
     outstanding tasks; every task as (due s from the first, lateness ms or None) for the plot."""
     first = sent[0][1] if sent else 0
     lags: dict[str, list[int]] = {p: [] for p in PHASES}
@@ -351,7 +384,10 @@ def analyse(sent: list[tuple[str, int]], starts: dict[str, tuple[int, str]],
     phases = {p: {"tasks": tasks[p], "not_run": tasks[p] - len(lags[p]), "p50": percentile(lags[p], .5),
                   "p99": percentile(lags[p], .99), "max": max(lags[p], default=math.nan),
                   "on_time": sum(lag <= ON_TIME_MS for lag in lags[p]),
-                  "late_5s": sum(lag > LATE_MS for lag in lags[p])} for p in PHASES}
+                  "late_5s": sum(lag > LATE_MS for lag in lags[p]),
+                  "ownerless_s": None if gaps is None else round(max(
+                      (until - since for since, until in gaps if phase_of(since, events) == p), default=0.0), 1)}
+              for p in PHASES}
     found = {e["phase"]: e for e in events}
     kill, scaled = found.get("kill9"), found.get("scale-out")
     outstanding = None
@@ -399,13 +435,17 @@ def goals(r: dict[str, Any], native: dict[str, Any] | None) -> dict[str, tuple[b
 def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[str, str]) -> str:
     """The results as Markdown (also printed): a row per system and phase, then one per system."""
     native = next((r for r in results if r["system"] == "native" and not r["failed"]), None)
-    head = ["system", "phase", "tasks", "lateness p50 / p99 / max ms", "on time <= 1 s", "> 5 s late", "not run"]
+    head = ["system", "phase", "tasks", "lateness p50 / p99 / max ms", "on time <= 1 s", "> 5 s late", "not run",
+            "a partition ownerless, longest s"]
     rows = []
     for r in results:
-        for phase, p in r["phases"].items():
+        if not r["sent"]:
+            rows.append([r["system"], "— (failed)", "0", "—", "—", "—", "—", "—"])
+        for phase, p in r["phases"].items() if r["sent"] else ():
             share = f"{p['on_time'] / p['tasks']:.1%}" if p["tasks"] else "—"
             rows.append([r["system"], phase, f"{p['tasks']:,}", f"{_ms(p['p50'])} / {_ms(p['p99'])} / {_ms(p['max'])}",
-                         share, f"{p['late_5s']:,}", f"{p['not_run']:,}"])
+                         share, f"{p['late_5s']:,}", f"{p['not_run']:,}",
+                         "—" if p["ownerless_s"] is None else f"{p['ownerless_s']}"])
     title = (f"bench.fleet: {opts.workers} workers (celery worker -c 1), {opts.rate:g} tasks/s with countdown "
              f"{opts.countdown:g} s; rolling restart, kill -9, scale-out to {2 * opts.workers}, scale-in; "
              f"{opts.settle:g} s apart")
@@ -432,15 +472,19 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
     for r in results:
         lines.append(f"- {r['system']}: " + ("; ".join(f"{e['phase']} at {e['at_s']} s ({e['took_s']} s: {e['detail']})"
                                                      for e in r["events"]) or "none"))
-        exited = [f"{m['name']} {m['how']}" for m in r["members"] if m["how"].startswith("exited")]
-        if exited:
-            lines.append(f"  - exited by themselves: {'; '.join(exited[:3])}" + (f" (and {len(exited) - 3} more)"
-                                                                                  if len(exited) > 3 else ""))
+        exited: dict[str, list[str]] = {}
+        for m in r["members"]:
+            if m["how"].startswith("exited"):
+                exited.setdefault(m["how"], []).append(m["name"])
+        for how, names in exited.items():
+            lines.append(f"  - {', '.join(names)} {how}")
     lines += ["", "Goals (information, not assertions): rolling p99 <= max(250 ms, 1.5 x native's rolling p99) and "
               f"max <= 2 s; every task not started at the kill -9, or due before the next event, started within "
               f"{KILL_GOAL_MS // 1000} s of due; no idle worker while scaled out (a task started by each between "
               f"scale-out's end and scale-in).  Lateness: first start - due time; tasks not run are left out of "
-              "the percentiles.", "", "Versions: " + ", ".join(f"{k} {v}" for k, v in found.items())]
+              "the percentiles.  A partition ownerless: the longest a partition of the topic had no live worker "
+              "(from its revoke, or its worker's kill, until assigned again; from the workers' logs), in the phase "
+              "it began.", "", "Versions: " + ", ".join(f"{k} {v}" for k, v in found.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -459,7 +503,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(14, 4 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 1, figsize=(14, 4 * len(results)), squeeze=False, sharex=True)
     top = max((lag for r in results for _, lag in r["points"] if lag is not None), default=1000) * 1.5
     for ax, r in zip(axes.flat, results):
         ran = [(t, lag) for t, lag in r["points"] if lag is not None]
@@ -476,8 +520,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
             ax.axvline(e["at_s"], color="black", linestyle="--", linewidth=0.8)
             ax.axvspan(e["at_s"], e["at_s"] + e["took_s"], color="grey", alpha=0.15)
             ax.text(e["at_s"], top, f" {e['phase']}", rotation=90, va="top", fontsize=8)
-        state = f" (failed: {r['failed'][:90]})" if r["failed"] else ""
-        ax.set(title=f"{r['system']}{state}", xlabel="due time, s since the first task",
+        if r["failed"]:
+            ax.text(0.5, 0.5, "failed: " + "\n".join(r["failed"][i:i + 110] for i in range(0, len(r["failed"]), 110)),
+                    transform=ax.transAxes, ha="center", va="center", fontsize=9, color="red")
+        ax.set(title=r["system"] + (" (failed)" if r["failed"] else ""), xlabel="due time, s since the first task",
                ylabel="lateness ms (symlog)")
         ax.set_yscale("symlog", linthresh=10)
         ax.set_ylim(-10, top * 1.2)

@@ -58,7 +58,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -293,7 +293,8 @@ def churn(fleet: Fleet, sender: Sender, opts: argparse.Namespace, events: list[d
     def scale_out() -> str:
         new = fleet.start(opts.workers)
         ready = [m.ready - m.started for m in new if m.ready]
-        return f"{', '.join(m.name for m in new)}: {len(ready)} ready, the last after {max(ready, default=math.nan):.1f} s"
+        last = max(ready, default=math.nan)
+        return f"{', '.join(m.name for m in new)}: {len(ready)} ready, the last after {last:.1f} s"
 
     def scale_in() -> str:
         live = fleet.live()
@@ -425,9 +426,13 @@ def goals(r: dict[str, Any], native: dict[str, Any] | None) -> dict[str, tuple[b
                      + (f", {rolling['not_run']} not run" if rolling["not_run"] else ""))
     kill = (None, "no kill -9") if out is None else \
         (not out["not_run"] and out["max"] <= KILL_GOAL_MS,
-         f"{out['tasks']} outstanding, worst {_ms(out['max'])} ms" + (f", {out['not_run']} not run" if out["not_run"] else ""))
-    scale = (None, "no scale-out") if idle is None else \
-        (all(idle.values()), "idle: " + (", ".join(h.split("@")[0] for h, n in idle.items() if not n) or "none"))
+         f"{out['tasks']} outstanding, worst {_ms(out['max'])} ms"
+         + (f", {out['not_run']} not run" if out["not_run"] else ""))
+    if idle is None or not any(idle.values()):  # none at all: the fleet was stalled (a kill's aftermath), not idle
+        scale = (None, "no scale-out" if idle is None else "no task started while scaled out")
+    else:
+        idle_names = ", ".join(host.split("@")[0] for host, n in idle.items() if not n)
+        scale = (all(idle.values()), f"idle: {idle_names or 'none'}")
     return {"rolling": roll, "kill9": kill, "scale-out": scale}
 
 
@@ -461,7 +466,8 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
     for r in results:
         met = goals(r, native)
         rows2.append([r["system"], f"failed: {r['failed']}" if r["failed"] else "ran", f"{r['sent']:,}",
-                      f"{r['not_run']:,}", f"{r['ran_twice']:,}", *(_goal(*met[g]) for g in ("rolling", "kill9", "scale-out")),
+                      f"{r['not_run']:,}", f"{r['ran_twice']:,}",
+                      *(_goal(*met[g]) for g in ("rolling", "kill9", "scale-out")),
                       ", ".join(f"{h.split('@')[0]} {n}" for h, n in (r["scaled_out_tasks"] or {}).items()) or "—",
                       f"{r['machine_busy_cores']} of 2 ({' -> '.join(f'{x:.1f}' for x in r['load_1m'])})"])
     table = Table(*head2, title="bench.fleet: per system")
@@ -512,7 +518,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
         for t, lag in ran:
             per_s.setdefault(int(t), []).append(lag)
         seconds = sorted(per_s)
-        ax.step(seconds, [percentile(per_s[s], .99) for s in seconds], where="post", linewidth=1, label="p99 per second")
+        ax.step(seconds, [percentile(per_s[s], .99) for s in seconds], where="post", linewidth=1,
+                label="p99 per second")
         lost = [t for t, lag in r["points"] if lag is None]
         if lost:
             ax.plot(lost, [top] * len(lost), "x", color="red", markersize=4, label=f"not run ({len(lost)})")

@@ -28,10 +28,13 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def new_overrides(partitions: int, lease_ttl: int = 5) -> dict[str, Any]:
-    """Celery settings isolating one scenario: its own key prefix, topic prefix, group and queue."""
+    """Celery settings isolating one scenario: its own key prefix, topic prefix, group and queue, on the
+    servers of this run (``CD_*_PORT``), so that settings built from them alone (a clean-up's) reach
+    these servers and not the default ports'."""
     tag = "b" + uuid.uuid4().hex[:10]
     return {"delayed_key_prefix": tag, "delayed_topic_prefix": f"{tag}.", "delayed_consumer_group": tag,
-            "delayed_partitions": partitions, "delayed_lease_ttl": lease_ttl, "task_default_queue": tag}
+            "delayed_partitions": partitions, "delayed_lease_ttl": lease_ttl, "task_default_queue": tag,
+            **{f"delayed_{name}": value for name, value in _servers().items()}}
 
 
 # -- what ran ------------------------------------------------------------------
@@ -117,9 +120,11 @@ def high_watermark(consumer: Consumer, topic: str, partitions: Sequence[int]) ->
 
 # -- CPU accounting (Linux /proc) --------------------------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK")
-#: How to recognise the local servers' processes by their command line.
-SERVICES = {"redis": ("redis-server", ":6379"), "kafka": ("java", "kafka.Kafka"),
-            "etcd": ("etcd", "--listen-client-urls")}
+#: How to recognise the local servers' processes by their command line: this run's (``CD_*_PORT``,
+#: ``CD_SERVICES_DIR``), not another stack's on the same machine.
+SERVICES = {"redis": ("redis-server", f"127.0.0.1:{os.environ.get('CD_REDIS_PORT', '6379')}"),
+            "kafka": ("java", f"{os.environ.get('CD_SERVICES_DIR', ROOT / '.services')}/kafka/server.properties"),
+            "etcd": ("etcd", f"--listen-client-urls http://127.0.0.1:{os.environ.get('CD_ETCD_PORT', '2379')}")}
 
 
 def service_pids() -> dict[str, int]:

@@ -68,7 +68,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.common import RESULTS, CpuMeter, _servers, exclusive, new_overrides, percentile, save_figure, versions
+from bench.common import RESULTS, CpuMeter, exclusive, new_overrides, percentile, save_figure, versions
 from bench.compare import System, _clean, _ms, wait_runs
 from bench.compare_app import RECORDS, create_app, read_run, read_starts
 from bench.dispatch import git_state
@@ -357,8 +357,7 @@ def run_system(key: str, system: System, opts: argparse.Namespace, progress: Pro
                 **analyse(sender.sent, starts, events, fleet.partition_gaps() if system.app != "native" else None)}
     finally:
         procs.stop_all()
-        servers = {f"delayed_{name}": value for name, value in _servers().items()}  # the CD_* ports
-        _clean(system, {**servers, **overrides}, records, run)
+        _clean(system, overrides, records, run)
 
 
 def phase_of(due_s: float, events: list[dict[str, Any]]) -> str:

@@ -11,6 +11,7 @@ from enum import Enum, IntEnum
 from typing import Any, Callable, Mapping
 
 import redis
+from billiard.exceptions import SoftTimeLimitExceeded
 from kombu.utils.functional import retry_over_time
 
 from .redis_client import UNREACHABLE
@@ -49,7 +50,13 @@ def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, 
     """``write(*args, **kwargs)``, tried again while it raises one of ``errors`` (the store refuses
     it), each refusal logged as ``failed`` with the error and the wait.  ``policy`` has the fields of
     Celery's publish retry policy; ``forever`` ignores its ``max_retries`` and waits up to
-    :data:`PERSIST_MAX_INTERVAL`."""
+    :data:`PERSIST_MAX_INTERVAL`.
+
+    A write done ``forever`` (a running task's retry, a dead letter) is not given up to a task's
+    ``soft_time_limit`` firing meanwhile either: Celery would turn that into a failure for good
+    (``Task.retry`` rejects the task), its retries left unused, though only the store was away.
+    The limit is logged and the write goes on; the hard limit still ends the task.
+    """
     policy = policy or {}
 
     def on_error(exc: Exception, intervals: Any, retries: int) -> float:
@@ -57,11 +64,17 @@ def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, 
         logger.warning("%s (%s); retry %d in %.1f s", failed, exc, retries + 1, wait)
         return wait
 
-    return retry_over_time(
-        write, errors, args=args, kwargs=dict(kwargs or {}), errback=on_error,
-        max_retries=None if forever else policy.get("max_retries", 3),
-        interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
-        interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
+    while True:
+        try:
+            return retry_over_time(
+                write, errors, args=args, kwargs=dict(kwargs or {}), errback=on_error,
+                max_retries=None if forever else policy.get("max_retries", 3),
+                interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
+                interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
+        except SoftTimeLimitExceeded:
+            if not forever:
+                raise
+            logger.warning("%s: the task's soft time limit passed meanwhile; the write goes on", failed)
 
 
 class LayoutMismatch(ConfigurationError):

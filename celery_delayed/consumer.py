@@ -203,10 +203,10 @@ class KafkaFeed:
                     logger.exception("Kafka consumer thread: error, going on in a second")
                     time.sleep(1)
         finally:
+            self._drop_ready()
+            self.claims.flush()  # before leaving: a copy the new owner reads must not find a claim given up
             self._commit(self.offsets.committable())
             consumer.close()  # leaves the group: its partitions go to the other members now
-            self._drop_ready()
-            self.claims.flush()
             self._wakeup.close()
             _feeds.discard(self)
 

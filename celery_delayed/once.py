@@ -247,7 +247,8 @@ def remember_finished(app: Celery) -> None:
         if state in states.READY_STATES:
             record = ENDED
         elif state == states.RETRY:
-            record = str(sender.request.retries or 0)
+            record = str(attempt_of({"retries": sender.request.retries,
+                                     "replaced_task_nesting": sender.request.replaced_task_nesting}))
         else:
             return
         marks = getattr(sender.request, FROM_KAFKA, None)
@@ -312,7 +313,16 @@ def executing(request: Any, task_id: str) -> bool:
                 and not request.is_eager)
 
 
+#: Attempts a task id may retry within one replacement level (see :func:`attempt_of`).
+NESTING_STEP = 1_000_000
+
+
 def attempt_of(headers: dict) -> int:
-    """The attempt number of a message (Celery's ``retries`` header; 0 when absent or odd)."""
-    retries = headers.get("retries") if isinstance(headers, dict) else None
-    return retries if isinstance(retries, int) and not isinstance(retries, bool) else 0
+    """The attempt number of a message, ordered by (``replaced_task_nesting``, ``retries``): a task
+    that ``Task.replace``-s itself keeps its id and starts ``retries`` over at 0, one nesting level
+    deeper, so its replacement comes after every attempt of the task it replaced (0 for a header
+    absent or odd)."""
+    fields = (headers.get(name) if isinstance(headers, dict) else None for name in ("replaced_task_nesting", "retries"))
+    nesting, retries = (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+                        for value in fields)
+    return nesting * NESTING_STEP + min(retries, NESTING_STEP - 1)

@@ -91,3 +91,12 @@ def flaky_auto(self, run: str, failures: int) -> int:
     if attempt <= failures:
         raise RuntimeError(f"attempt {attempt} failed")
     return attempt
+
+
+@shared_task(name="tasks.demo.retry_then_replace", bind=True, max_retries=3)
+def retry_then_replace(self, run: str) -> None:
+    """Retry once through the store, then replace itself with ``work`` due 3 s later: the replacement
+    keeps the task id and starts its retries over at 0."""
+    if not self.request.retries:
+        raise self.retry(countdown=2)
+    raise self.replace(work.si(run).set(countdown=3))

@@ -1,7 +1,8 @@
 -- Take the run claim of a task id for this worker, unless the task was revoked
 -- or this attempt of it has already ended (once.py: remember_finished). The
 -- finished record holds 'F' once the task ended for good, else the attempt
--- number (Celery's `retries`) of the last attempt that ended in a retry: a late
+-- number (once.attempt_of: Celery's `retries`, past every attempt of the task a
+-- `Task.replace` replaced) of the last attempt that ended in a retry: a late
 -- copy of that attempt, or of an earlier one, must not run again. The keys
 -- carry the task id as hash tag, so this also runs on Redis Cluster.
 --

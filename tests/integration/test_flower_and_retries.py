@@ -28,6 +28,22 @@ def test_retry_with_countdown_goes_through_the_store_and_keeps_its_id(overrides,
     assert result.get(timeout=90) == 3
 
 
+def test_a_task_that_retried_then_replaces_itself_runs_its_replacement(overrides, processes):
+    """F6: ``self.retry(countdown=2)``, then ``self.replace(sig.set(countdown=3))``: the replacement
+    keeps the task id and starts over at ``retries`` 0, so the record of the first attempt's retry
+    refused it as finished, and the task stayed RETRY for ever.  It runs now, once."""
+    import redis
+
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    result = app.tasks["tasks.demo.retry_then_replace"].apply_async((run,), countdown=1.5)
+    processes.poller()
+    processes.worker("w1")
+    assert result.get(timeout=60) == result.id  # the replacement (tasks.demo.work) returns its id
+    runs = redis.Redis.from_url(app.conf.delayed_redis_url).hgetall(f"demo:{run}:runs")
+    assert runs == {result.id.encode(): b"1"}
+
+
 def http_json(url: str):
     try:
         return json.loads(urllib.request.urlopen(url, timeout=5).read())

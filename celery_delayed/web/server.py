@@ -268,6 +268,8 @@ class DeadLetterAction(Base):
         data = await self.call(getattr(self.views, action), [task_id])
         if data.get("unknown"):
             raise Problem(404, f"no dead letter with task id {task_id}")
+        if data.get("kept"):
+            raise Problem(409, f"cannot requeue {data['kept_letters'][0]}")
         self.done(data, "/dead-letters")
 
 

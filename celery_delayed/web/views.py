@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import browse, store_of
 from ..browse import Filter
-from ..dlq import DeadLetters
+from ..dlq import DeadLetterError, DeadLetters
 from ..inspection import totals
 from ..leadership import leaders, make_etcd
 from ..outcomes import Change
@@ -39,6 +39,8 @@ FAR_EVERY = 30.0
 SCRAPE_EVERY = 5.0
 #: Dead letters a bulk requeue or purge takes between two progress reports.
 LETTERS_CHUNK = 100
+#: Letters a bulk requeue could not requeue that its job names (with why); the count has them all.
+KEPT_SHOWN = 20
 #: Bulk jobs kept for their pages (the oldest finished ones are forgotten first).
 KEPT_JOBS = 100
 
@@ -160,19 +162,32 @@ class Views:
             raise ValueError(f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
         change = getattr(self, action)
 
-        def work(progress: Callable[[int, int], None]) -> dict[str, int]:
-            totals: dict[str, int] = {}
+        def work(progress: Callable[[int, int], None]) -> dict[str, Any]:
+            totals: dict[str, Any] = {}
             for start in range(0, len(ids), LETTERS_CHUNK):
                 for name, n in change(ids[start:start + LETTERS_CHUNK]).items():
-                    totals[name] = totals.get(name, 0) + n
+                    totals[name] = totals.get(name, 0) + n if isinstance(n, int) else [*totals.get(name, []), *n]
                 progress(min(start + LETTERS_CHUNK, len(ids)), len(ids))
+            if "kept_letters" in totals:
+                totals["kept_letters"] = totals["kept_letters"][:KEPT_SHOWN]
             return totals
 
         return self.jobs.start(action, flt, work)
 
     def requeue(self, task_ids: list[str]) -> dict[str, Any]:
-        requeued = [t for t in task_ids if self.letters.requeue(t, self.app.backend)]
-        return {"requeued": len(requeued), "unknown": len(task_ids) - len(requeued)}
+        """Requeue dead letters: counts of those requeued, unknown (gone) and kept (their message is
+        not one of that task, so they stay parked), and ``kept_letters``: each kept one and why."""
+        requeued = unknown = 0
+        kept: list[str] = []
+        for task_id in task_ids:
+            try:
+                if self.letters.requeue(task_id, self.app.backend):
+                    requeued += 1
+                else:
+                    unknown += 1
+            except DeadLetterError as exc:  # one such letter must not stop the others
+                kept.append(f"{task_id}: {exc}")
+        return {"requeued": requeued, "unknown": unknown, "kept": len(kept), "kept_letters": kept}
 
     def purge(self, task_ids: list[str]) -> dict[str, Any]:
         purged = sum(self.letters.purge(t) for t in task_ids)

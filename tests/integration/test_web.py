@@ -269,7 +269,7 @@ def test_dead_letters_list_show_requeue_and_purge(app, server):
     assert status == 200 and letter["traceback"] == "Traceback: boom" and letter["task"] == "tasks.demo.add"
 
     status, done = client.json("/api/dead-letters/dead-0/requeue", {})
-    assert status == 200 and done == {"requeued": 1, "unknown": 0}
+    assert status == 200 and done == {"requeued": 1, "unknown": 0, "kept": 0, "kept_letters": []}
     assert store_of(app).get("dead-0") is not None and not letters.holds("dead-0")
     status, error = client.json("/api/bulk/dead-letters/purge", {"reason": "boom"})
     assert status == 400 and "needs confirm=2" in error["error"]
@@ -277,10 +277,31 @@ def test_dead_letters_list_show_requeue_and_purge(app, server):
     assert status == 202 and _finished(client, job["id"])["result"] == {"purged": 2, "unknown": 0}
     assert letters.count() == 2
     status, job = client.json("/api/bulk/dead-letters/requeue", {"reason": "unknown task", "confirm": "2"})
-    assert status == 202 and _finished(client, job["id"])["result"] == {"requeued": 2, "unknown": 0}
+    assert status == 202 and _finished(client, job["id"])["result"] == {"requeued": 2, "unknown": 0, "kept": 0,
+                                                                        "kept_letters": []}
     assert letters.count() == 0 and store_of(app).get("dead-3") is not None and store_of(app).get("dead-4") is not None
     status, page = client.request(f"/jobs/{job['id']}")
     assert status == 200 and "requeued: 2" in page and "reason=unknown task" in page and "Back to dead letters" in page
+
+
+def test_a_bulk_requeue_goes_past_letters_it_cannot_requeue_and_names_them(app, server):
+    """F8: the first letter whose message is not one of its task ended the job: the valid letters after
+    it stayed parked, and no result was shown.  They are requeued now; the others stay, named."""
+    letters = DeadLetters(store_of(app))
+    for i, (task_id, _, data) in enumerate(envelopes(6, "q", 0, prefix="mixed")):
+        letters.add(DeadLetter(task_id=task_id, reason="boom", source="worker",
+                               message=b"not an envelope" if i in (1, 3) else data))
+    client = Client(server.url)
+    status, job = client.json("/api/bulk/dead-letters/requeue", {"reason": "boom", "confirm": "6"})
+    result = _finished(client, job["id"])
+    assert status == 202
+    assert {k: result["result"][k] for k in ("requeued", "unknown", "kept")} == {"requeued": 4, "unknown": 0, "kept": 2}
+    assert sorted(line.split(":")[0] for line in result["result"]["kept_letters"]) == ["mixed-1", "mixed-3"]
+    assert sorted(letter.task_id for letter in letters.list(10)) == ["mixed-1", "mixed-3"]
+    status, page = client.request(f"/jobs/{job['id']}")
+    assert status == 200 and "kept parked" in page and "mixed-3" in page
+    status, error = client.json("/api/dead-letters/mixed-1/requeue", {})
+    assert status == 409 and "mixed-1" in error["error"]
 
 
 def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(app):

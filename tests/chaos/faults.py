@@ -19,13 +19,17 @@ from typing import Callable
 import redis
 
 from celery_delayed.settings import Settings
-from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders
+from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders, wait_for
 
 #: Seconds an etcd leader that was killed stays down: longer than an election (election timeout 1 s).
 ETCD_LEADER_DOWN_S = 4.0
 
 #: Seconds of SIGSTOP 300 ms / SIGCONT 60 ms cycles of a CPU-starved poller.
 STARVE_S = 10.0
+#: Longest a worker's warm shutdown may take in a deploy or a scale-in before its group is killed (s).
+WARM_STOP_S = 60.0
+#: How long a scaled-out fleet runs before it is scaled in again (s).
+SCALED_S = 10.0
 #: Longest wait (s) for a killed cluster primary's replica to take over (cluster-node-timeout + election).
 PROMOTION_TIMEOUT_S = 60.0
 #: Nodes of the redis-cluster service of scripts/services (ports CD_REDIS_CLUSTER_PORT and on).
@@ -112,6 +116,38 @@ def worker_kill(cluster: Cluster) -> str:
     cluster.workers.remove(victim)
     new = cluster.add_worker()
     return f"kill -9 worker {victim.pid} (process group); replacement {new.pid}"
+
+
+def _start_worker(cluster: Cluster) -> subprocess.Popen:
+    """A new worker, once it is ready (consuming)."""
+    worker = cluster.add_worker()
+    wait_for(lambda: "ready." in cluster.procs.log(worker), 60, f"worker {worker.pid} to be ready")
+    return worker
+
+
+def _warm_stop(cluster: Cluster, worker: subprocess.Popen) -> str:
+    """A warm shutdown (SIGTERM to the main process), as a deploy or a scale-in does; said when it was not."""
+    status = cluster.procs.warm_stop(worker, timeout=WARM_STOP_S)
+    cluster.workers.remove(worker)
+    return "" if status == 0 else f" (worker {worker.pid} did not stop warm: exit {status})"
+
+
+def rolling_deploy(cluster: Cluster) -> str:
+    """Every worker in turn: a warm shutdown, then a new worker started and waited for."""
+    notes = []
+    for old in [w for w in cluster.workers if w.poll() is None]:
+        unwarm = _warm_stop(cluster, old)
+        notes.append(f"{old.pid} -> {_start_worker(cluster).pid}{unwarm}")
+    return "rolling deploy: " + ", ".join(notes)
+
+
+def scale(cluster: Cluster) -> str:
+    """Scale out to twice the workers, let the group settle, then scale in (warm) the oldest half."""
+    old = [w for w in cluster.workers if w.poll() is None]
+    new = [_start_worker(cluster).pid for _ in old]
+    time.sleep(SCALED_S)
+    unwarm = "".join(_warm_stop(cluster, w) for w in old)
+    return f"scaled out by {new}, then in without {[w.pid for w in old]}{unwarm}"
 
 
 def _children(pid: int) -> list[int]:
@@ -268,13 +304,13 @@ FAULTS: dict[str, Callable[[Cluster], str]] = {
     "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
     "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
     "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe, "etcd-leader-kill": etcd_leader_kill,
-    "redis-failover": redis_failover,
+    "redis-failover": redis_failover, "rolling-deploy": rolling_deploy, "scale": scale,
 }
 #: Faults that need the store on the Redis Cluster (``--store cluster``).
 CLUSTER_ONLY = ["redis-failover"]
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
 QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
-         "kafka-restart", "etcd-restart", "etcd-leader-kill"]
+         "kafka-restart", "etcd-restart", "etcd-leader-kill", "rolling-deploy"]
 #: Faults run after all others (the rest are measured first): a wipe starts etcd over (a new fencing epoch).
 LAST = ["etcd-wipe"]
 

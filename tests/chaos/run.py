@@ -33,7 +33,8 @@ from . import check, faults, ledger, load, report
 RESULTS = ROOT / "tests" / "chaos" / "results"
 #: Stop waiting for the load when no task finished for this long (s) after the last fault and due time:
 #: longer than a Kafka outage followed by a consumer-group rebalance that waits out a killed worker
-#: (session.timeout.ms, 10 s, see celery_delayed.consumer.CONSUMER_DEFAULTS).
+#: (the group session: 10 s on the classic protocol, celery_delayed.kafka.CLASSIC_DEFAULTS; 6 s on the
+#: consumer protocol, set on the broker by config/kafka/server.properties).
 STALL_S = 120.0
 #: Longest wait (s) after a fault for dispatch to be back on time before the next fault may start.
 RECOVERY_WAIT_S = 45.0

@@ -147,8 +147,8 @@ class KafkaFeed:
         _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
         self._thread.start()
-        logger.info("consuming Kafka topics %s (group %s, group protocol %s)", [self.settings.topic(q) for q in self.queues],
-                    self.settings.consumer_group, config["group.protocol"])
+        logger.info("consuming Kafka topics %s (group %s, group protocol %s)",
+                    [self.settings.topic(q) for q in self.queues], self.settings.consumer_group, config["group.protocol"])
 
     def stop(self) -> None:
         """Hand this worker's partitions over now: stop reading, commit what is settled and leave

@@ -61,7 +61,7 @@ def test_the_kafka_broker_sets_the_group_session_as_the_local_one_does():
     """The workers' KIP-848 session and heartbeat are broker settings: compose sets what scripts/services does."""
     import re
 
-    local = dict(re.findall(r"^(group\.consumer\.[a-z.]+)=(\d+)$", (ROOT / "config/kafka/server.properties").read_text(),
-                            re.M))
+    properties = (ROOT / "config" / "kafka" / "server.properties").read_text()
+    local = dict(re.findall(r"^(group\.consumer\.[a-z.]+)=(\d+)$", properties, re.M))
     kafka = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())["services"]["kafka"]["environment"]
     assert local and {name: str(kafka.get("KAFKA_" + name.upper().replace(".", "_"))) for name in local} == local

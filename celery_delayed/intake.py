@@ -164,8 +164,7 @@ class Intake:
         if (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
             headers["eta"] = eta if start_ms == due_ms else iso_of(start_ms)
         headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": claimed_ms,
-                               "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms,
-                               "owner": self.claims.owner}
+                               "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms}
         return Message(body=envelope.body, content_type=envelope.content_type,
                        content_encoding=envelope.content_encoding, headers=headers,
                        properties=envelope.properties, accept=self.accept, channel=None,
@@ -176,17 +175,19 @@ class Intake:
         """Once the feed stopped: give up the run claims of the tasks in hand that can never run here,
         so the copies the partitions' next readers get run at once.
 
-        The claims of the others stay held and extended: the running ones until Celery
-        settles them; one whose job Celery flushed out of its pool after writing it to a
-        child (which runs it unheard of) until that child ends it (:func:`.once.remember_finished`);
-        one whose fate cannot be told (Celery < 5.7) is no longer extended and lapses after the
-        run lease.  A copy read meanwhile waits in the store for the claim."""
+        The claims of the others stay held and extended until Celery settles their tasks: the
+        running ones, and those in its pool; a job Celery's pool flush dropped after writing it to
+        a child, which runs it, is put back in the pool's books (:func:`_back_in_pool`).  One whose
+        fate cannot be told (Celery < 5.7, or its job gone) is no longer extended and lapses after
+        the run lease.  A copy read meanwhile waits in the store for the claim."""
         for task_id in self.in_hand - running:
             fate = self._fate(task_id)
             if fate is _Fate.NEVER:
                 self.claims.release(task_id)
             elif fate is _Fate.UNKNOWN:
                 self.claims.forget(task_id)
+            else:
+                _back_in_pool(self._jobs.get(task_id) or self._requests[task_id]._apply_result())
             self._untrack(task_id)
 
     def _on_received(self, request: Any = None, **_: Any) -> None:
@@ -311,6 +312,17 @@ def replace_key(headers: dict) -> str | None:
     """The ``delayed_key`` of a replace-mode task (it runs only while its key names it), else None."""
     key = headers.get(KEY_HEADER)
     return key if isinstance(key, str) and headers.get(KEY_MODE_HEADER, "replace") == "replace" else None
+
+
+def _back_in_pool(job: Any) -> None:
+    """Put a prefork job that Celery's pool flush dropped from the pool's books (its cache) after
+    writing it to a child back in them: the child runs it, and with the job known again the pool
+    reads its result, so Celery acks the task as usual (settling its run claim), and a warm shutdown
+    waits for it; unknown, the child's result is never read, and the child waits 30 s to exit.
+    (billiard's ApplyResult: ``_cache``, ``_job``; a test pins them.)"""
+    cache = getattr(job, "_cache", None)
+    if cache is not None and getattr(job, "_write_to", None) is not None and not job._accepted:
+        cache.setdefault(job._job, job)
 
 
 class _Fate(enum.Enum):

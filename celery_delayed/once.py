@@ -127,8 +127,8 @@ class RunClaims:
 
     def _keep(self) -> None:
         """Each third of a lease: tell Redis the releases pending (a stopped feed no longer does) and
-        extend every claim held; one no longer ours (released by the pool child that ran its task,
-        or lapsed and taken by another worker) is dropped."""
+        extend every claim held; one no longer ours (lapsed, and maybe taken by another worker) is
+        dropped."""
         while True:
             time.sleep(self.lease_ms / 3000)
             self.flush()
@@ -251,8 +251,7 @@ def remember_finished(app: Celery) -> None:
                                      "replaced_task_nesting": sender.request.replaced_task_nesting}))
         else:
             return
-        marks = getattr(sender.request, FROM_KAFKA, None)
-        if not marks:
+        if not getattr(sender.request, FROM_KAFKA, None):
             return
         store = app.amqp.delayed_store
         key = getattr(sender.request, KEY_HEADER, None)
@@ -262,22 +261,14 @@ def remember_finished(app: Celery) -> None:
             except STORE_ERRORS as exc:  # a stale holder only costs memory: a new task replaces it
                 logger.warning("task %s finished, but its key %r could not be released: %s", task_id, key, exc)
         ttl_ms = int(store.settings.done_ttl * 1000)
+        if ttl_ms <= 0:
+            return
         try:
-            if ttl_ms > 0:
-                store.redis.set(store.keys.done(task_id), record, px=ttl_ms)
-            if isinstance(marks, dict) and isinstance(marks.get("owner"), str):  # once the end is known
-                _release_here(store, task_id, marks["owner"])
+            store.redis.set(store.keys.done(task_id), record, px=ttl_ms)
         except STORE_ERRORS as exc:  # the result backend check still applies
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
     signals.task_postrun.connect(on_postrun, weak=False)
-
-
-def _release_here(store: DelayedStore, task_id: str, owner: str) -> None:
-    """Give up the run claim of a task that ended, from the process that ran it: its worker's main
-    process does too when Celery settles the task, but not for a job Celery flushed out of its pool
-    after writing it to a child (a warm shutdown), whose end it never hears of."""
-    store.scripts["release"](keys=[store.keys.run(task_id)], args=[owner])
 
 
 def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:

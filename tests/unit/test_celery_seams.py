@@ -29,7 +29,7 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
 
 
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():
-    """Intake._dropped_by_celery reads ``Request._apply_result`` (private: set once the request is
+    """Intake._fate reads ``Request._apply_result`` (private: set once the request is
     given to the pool, by the request class and by the one ``create_request_cls`` makes for each
     task), and relies on Celery >= 5.7's ``Consumer.on_close`` cancelling the ETA timer entries
     of the requests it drops and removing every dropped one from ``requests``."""
@@ -43,6 +43,22 @@ def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_t
     assert _DROPS_ARE_FORGOTTEN  # the tested Celery (constraints.txt) has it
     on_close = inspect.getsource(Consumer.on_close)
     assert "self.timer.cancel(entry)" in on_close and "requests.pop(r.id, None)" in on_close
+
+
+def test_a_job_the_pools_flush_dropped_can_be_told_written_and_put_back_in_its_books():
+    """intake._fate and _back_in_pool read billiard's ApplyResult (private): ``_write_to``, set by
+    Celery's AsynPool once it starts writing the job to a child; ``_accepted``; and the pool's books,
+    ``_cache[_job]``, which ``discard`` (Celery's flush) drops the job from."""
+    from billiard.pool import ApplyResult
+    from celery.concurrency import asynpool
+
+    books: dict = {}
+    job = ApplyResult(books, callback=None)
+    assert books == {job._job: job} and job._write_to is None and job._accepted is False
+    job.discard()
+    assert books == {}
+    source = inspect.getsource(asynpool)
+    assert "job._write_to = proc" in source and "job.discard()" in inspect.getsource(asynpool.AsynPool.flush)
 
 
 def test_a_failure_after_the_body_carries_a_traceback_through_a_step_failures_py_knows():

@@ -117,18 +117,21 @@ class _Claims:
 def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_those_of_what_may():
     """After Celery stopped its consumer (which flushes the pool): a prefork job flushed before it was
     written to a child never runs here (F3: its claim is given up, so the next worker runs it at once);
-    one written to a child runs there unheard of (F1: its claim stays held until the child ends it); a
-    threads-pool job still runs; a request never given to the pool and dropped is given up; one whose
-    job Celery no longer refers to cannot be told, and lapses.  The jobs, which Celery refers to only
-    weakly, are held from the start of the warm shutdown, so the flush does not hide them."""
+    one written to a child runs there (F1: its claim stays held, and the job goes back in the pool's
+    books, which the flush dropped it from, so Celery settles it when it ends); a threads-pool job still
+    runs; a request never given to the pool and dropped is given up; one whose job Celery no longer
+    refers to cannot be told, and lapses.  The jobs, which Celery refers to only weakly, are held from
+    the start of the warm shutdown, so the flush does not hide them."""
     import weakref
 
     from celery.worker import state as worker_state
 
     from celery_delayed.intake import Intake
 
-    jobs = {"unwritten": _Job(_write_to=None, _accepted=False), "written": _Job(_write_to="child", _accepted=False),
-            "threads": _Job()}
+    pool_cache: dict = {}  # the flush dropped both prefork jobs from it
+    jobs = {"unwritten": _Job(_write_to=None, _accepted=False, _cache=pool_cache, _job=1),
+            "written": _Job(_write_to="child", _accepted=False, _cache=pool_cache, _job=2), "threads": _Job()}
+    written = jobs["written"]
     requests = {task_id: SimpleNamespace(id=task_id, _apply_result=weakref.ref(job)) for task_id, job in jobs.items()}
     requests["dropped"] = SimpleNamespace(id="dropped", _apply_result=None)
     requests["gone"] = SimpleNamespace(id="gone", _apply_result=weakref.ref(_Job()))  # already collected
@@ -142,3 +145,4 @@ def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_thos
     assert sorted(intake.claims.released) == ["dropped", "unwritten"]
     assert intake.claims.forgotten == ["gone"]
     assert intake.in_hand == {"running"}
+    assert pool_cache == {2: written}

@@ -90,8 +90,7 @@ c = SimpleNamespace(app=app, on_task_message=set(),
                     hub=SimpleNamespace(call_later=lambda delay, fn, *args: later.append((fn, args))))
 offsets, key = OffsetTracker(), ("t", 0)
 offsets.assign([key])
-claims = SimpleNamespace(release=lambda task_id: None, owner="w")
-intake = Intake(c, app.amqp.delayed_store, claims, offsets, lambda: None)
+intake = Intake(c, app.amqp.delayed_store, SimpleNamespace(release=lambda task_id: None), offsets, lambda: None)
 headers, properties, body, _ = app.amqp.create_task_message(str(uuid.uuid4()), task.name, [1, 2], {})
 envelope = Envelope(task_id=headers["id"], queue="celery", headers=headers, body=dumps(body).encode(),
                     content_type="application/json", content_encoding="utf-8")

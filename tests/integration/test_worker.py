@@ -260,7 +260,10 @@ def test_a_record_whose_due_header_no_time_can_hold_runs_and_the_ones_behind_it_
     assert odd.get(timeout=20) == 3
 
 
-def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, processes):
+def test_warm_shutdown_finishes_running_tasks_and_the_next_worker_commits_them_without_running_them(
+        overrides, processes):
+    """A stopping worker leaves the group at once and finishes its running tasks outside it, so their
+    offsets stay uncommitted: the next worker reads them again, finds them finished, and commits them."""
     overrides.update(delayed_topic_partitions=1)
     app = create_app(**overrides)
     run = uuid.uuid4().hex
@@ -271,7 +274,9 @@ def test_warm_shutdown_finishes_running_tasks_and_commits_them(overrides, proces
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 2, 60, "both tasks to start")
     assert processes.warm_stop(worker) == 0
     assert all(x.get(timeout=5) for x in running)  # they finished during the warm shutdown
-    assert committed(app) == 2, "the tasks that ran to the end were not committed"
+    processes.worker("w2", "-c", "2")
+    wait_for(lambda: committed(app) == 2, 60, "the next worker to commit the finished tasks' records")
+    assert set(r.hvals(f"demo:{run}:runs")) == {b"1"}
 
 
 @pytest.mark.parametrize("pool", ["threads", "solo"])

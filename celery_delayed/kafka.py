@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition, libversion
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic, ResourceType
 
 from .settings import Settings
@@ -63,13 +63,23 @@ BROKER_SIDE = ("session.timeout.ms", "heartbeat.interval.ms", "partition.assignm
 CLASSIC_DEFAULTS = {"session.timeout.ms": 10_000}
 
 
+#: The librdkafka ``auto`` takes the consumer protocol from: 2.12 made it production-ready, and
+#: before 2.15 a group under autoscaling could stall for minutes on "stale member epoch" commits.
+CONSUMER_PROTOCOL_LIBRDKAFKA = (2, 15)
+
+
 def group_protocol(settings: Settings, timeout: float = 10.0) -> str:
     """The workers' group protocol: ``group.protocol`` of delayed_kafka_config, else
     ``delayed_group_protocol``; ``auto`` is ``consumer`` when the brokers offer it
-    (``group.coordinator.rebalance.protocols``), ``classic`` when they do not or cannot be asked."""
+    (``group.coordinator.rebalance.protocols``) and librdkafka is at least
+    :data:`CONSUMER_PROTOCOL_LIBRDKAFKA`, ``classic`` otherwise or when the brokers cannot be asked."""
     chosen = settings.kafka_config.get("group.protocol") or settings.group_protocol
     if chosen != "auto":
         return chosen
+    if tuple(int(part) for part in libversion()[0].split(".")[:2]) < CONSUMER_PROTOCOL_LIBRDKAFKA:
+        logger.warning("librdkafka %s is older than %s: using the classic group protocol", libversion()[0],
+                       ".".join(map(str, CONSUMER_PROTOCOL_LIBRDKAFKA)))
+        return "classic"
     admin = AdminClient(settings.kafka())
     try:
         brokers = admin.list_topics(timeout=timeout).brokers

@@ -208,3 +208,14 @@ def test_every_setting_has_a_parser_that_takes_its_own_default():
     """A field added with a type no parser knows fails here, not in a user's process."""
     defaults = Settings()
     assert Settings.from_mapping({f.name: getattr(defaults, f.name) for f in dataclasses.fields(Settings)}) == defaults
+
+
+def test_auto_keeps_the_classic_protocol_on_a_librdkafka_whose_consumer_protocol_stalls(monkeypatch, caplog):
+    """Before librdkafka 2.15 a KIP-848 group could stall for minutes under autoscaling (stale member epoch)."""
+    import celery_delayed.kafka as kafka
+
+    monkeypatch.setattr(kafka, "libversion", lambda: ("2.13.0", 0x020d00ff))
+    with caplog.at_level("WARNING"):
+        assert kafka.group_protocol(Settings()) == "classic"  # decided before asking any broker
+    assert "2.13.0" in caplog.text
+    assert kafka.group_protocol(Settings.from_mapping({"group_protocol": "consumer"})) == "consumer"

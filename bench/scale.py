@@ -59,23 +59,31 @@ PARTITIONS = 16
 ON_TIME_MS = 1000
 
 
-def send(app: Any, run: str, n: int, first_due: float, window: float, progress: Progress, label: str) -> float:
+def send(app: Any, run: str, n: int, first_due: float, window: float, progress: Progress, label: str,
+         queue: str | None = None, until: float | None = None) -> tuple[float, int]:
     """``apply_many`` N ``compare.noop`` signatures due evenly over ``window`` s from ``first_due``
-    (epoch s), in calls of :data:`SEND_CHUNK`; returns the seconds it took."""
+    (epoch s; a window of 0: all due at that instant), on ``queue`` if given (else the app's
+    default queue), in calls of :data:`SEND_CHUNK`; returns the seconds it took and the signatures
+    sent.  With ``until`` (epoch s), none is built from then on (``apply_many`` builds and sends
+    them a chunk at a time), so fewer than N may be sent."""
     noop = app.tasks["compare.noop"]
     job = progress.add_task(label, total=n)
+    routing = {"queue": queue} if queue else {}
 
     def signatures() -> Iterator[Any]:
         for i in range(n):
+            if until is not None and time.time() >= until:
+                return
             due_ms = int((first_due + window * i / n) * 1000)
-            yield noop.si(run, due_ms).set(eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+            yield noop.si(run, due_ms).set(eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc), **routing)
 
     began = time.perf_counter()
-    rest, done = signatures(), 0
-    while chunk := list(islice(rest, SEND_CHUNK)):
-        apply_many(chunk, app=app, progress=lambda k, done=done: progress.update(job, completed=done + k))
-        done += len(chunk)
-    return time.perf_counter() - began
+    rest, done, sent = signatures(), 0, SEND_CHUNK
+    while sent == SEND_CHUNK:
+        sent = len(apply_many(islice(rest, SEND_CHUNK), app=app,
+                              progress=lambda k, done=done: progress.update(job, completed=done + k)))
+        done += sent
+    return time.perf_counter() - began, done
 
 
 def end_to_end(opts: argparse.Namespace, progress: Progress, logdir: Path) -> dict[str, Any]:
@@ -99,7 +107,7 @@ def end_to_end(opts: argparse.Namespace, progress: Progress, logdir: Path) -> di
         window = n / opts.rate
         began = time.time()
         first_due = began + opts.lead
-        schedule_s = send(app, run, n, first_due, window, progress, f"end to end: schedule {n:,}")
+        schedule_s, _ = send(app, run, n, first_due, window, progress, f"end to end: schedule {n:,}")
         wait_runs(records, run, n, first_due + window + opts.grace, progress,
                   f"end to end: run (due over {window:,.0f} s)", procs)
         time.sleep(2)  # a duplicate may still land

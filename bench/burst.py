@@ -1,0 +1,342 @@
+"""A campaign on one queue against another queue's tasks (issue 29): how late does a burst of
+tasks all due at one instant make the tasks of a queue that has nothing to do with it?
+
+Dispatch claims a store partition's due tasks in due order across all of its queues, so N tasks
+due at one instant T on queue ``bulk`` are all ahead of another queue's tasks due just after T.
+What a user would see, per case:
+
+1. a poller (one, leading every store partition) and a worker (``celery worker -c 2``) of the
+   default queue only are started; no worker reads ``bulk``, so only dispatch is shared;
+2. **campaign** cases: N ``compare.noop`` tasks stored with ``celery_delayed.apply_many`` (bulk
+   scheduling, bench.scale's ``send``) on queue ``bulk``, all due at one instant T, chosen a few
+   seconds past when storing should end (apply_many's rate measured first on
+   :data:`CALIBRATE` tasks due tomorrow, which stay in the store for the case).  Storing stops
+   ``delayed_min_delay`` + :data:`CUTOFF` s before T even if it is slower than measured (a task
+   sent later would go straight to the broker, as ``apply_async`` sends one due that soon): the
+   campaign is then the tasks stored by then, and the report says so;
+3. ``compare.noop`` (bench.compare_app: it records its first start behind its due time) sent one
+   by one with ``apply_async(countdown=3)`` at ``--rate`` tasks/s, due from T - 5 s to T + 15 s,
+   on the default queue (bench.fleet's ``Sender``);
+4. meanwhile the records on the ``bulk`` topic are counted every 50 ms (the sum of its
+   partitions' high watermarks), and another Redis client PINGs every 5 ms from T - 1 s until the
+   campaign is all on its topic (``PingProbe``; the slow log says what blocked Redis longest);
+5. the default queue's tasks are waited for.
+
+The **baseline** case is the same run without the campaign (its PINGs from T - 1 s to T + 1 s).
+Reported per case: the default queue's lateness (first start - due) p50/p99/max, also of the
+tasks due while the campaign was dispatched, against the baseline's (ratio); the campaign's
+storing time and its dispatch (first record, all records, tasks/s); PING p99/max.
+
+    python -m bench.burst [--quick] [--tasks 100000 1000000] [--rate 20]
+
+Full profile: 100k and 1M (1M takes ~5 min to store here, ~3,300 tasks/s, and the run ~9 min in
+all; ``--tasks 100000`` skips it); ``--quick``: 20k (CI, ~70 s).  Writes bench/results/burst-<time>.json,
+.md and .png (the default queue's lateness over due time, and the campaign's records on its topic over
+time), the processes' logs in burst-<time>.logs/; a full run also as burst-latest.*.  Exits 1 when a
+default-queue task was not run, or a case failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bench.common import (RESULTS, PingProbe, RedisMeter, exclusive, high_watermark, make_consumer, new_overrides,
+                          percentile, save_figure, summary, topic_partitions, versions)
+from bench.compare import System, _clean, _ms, start_worker, wait_runs
+from bench.compare_app import RECORDS, create_app, read_run, read_starts
+from bench.dispatch import git_state, leadership_changes
+from bench.fleet import Sender, _markdown
+from bench.scale import send
+from celery_delayed import store_of
+from celery_delayed.kafka import ensure_topics
+from celery_delayed.sandbox import remove_everything
+from celery_delayed.settings import Settings
+from tasks.processes import Processes, wait_for
+
+console = Console(width=None if Console().is_terminal else 160)
+#: The campaign's queue (no worker reads it).
+BULK = "bulk"
+#: Store partitions, as config/ has them.
+PARTITIONS = 8
+#: The other queue's tasks are due from T - BEFORE to T + AFTER (s).
+BEFORE, AFTER = 5.0, 15.0
+#: Their countdown (s): above ``delayed_min_delay``, so each goes through the store.
+COUNTDOWN = 3.0
+#: Tasks stored first (due tomorrow) to measure apply_many's rate, from which T is chosen.
+CALIBRATE = 5000
+#: T leaves the storing time this rate predicts times SAFETY, then MARGIN s, before the first send
+#: (the rate falls as the store grows, and with the machine's other work: 1M ran at 65% of it once).
+SAFETY, MARGIN = 1.4, 3.0
+#: Storing stops this long before T, less ``delayed_min_delay`` (s): apply_many sends a task due
+#: sooner straight to the broker, where it would not be dispatched at all.
+CUTOFF = 1.5
+#: How often the campaign's topic is counted (s).
+SAMPLE_S = 0.05
+
+
+def run_case(n: int, opts: argparse.Namespace, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """One case: the campaign of ``n`` tasks (0: the baseline) beside the default queue's tasks."""
+    label = f"campaign {n:,}" if n else "baseline"
+    overrides = new_overrides(partitions=PARTITIONS)
+    settings = Settings.from_conf(overrides)
+    env = {"COMPARE_SYSTEM": "celery-delayed"}
+    records = redis.Redis.from_url(RECORDS)
+    run, campaign = uuid.uuid4().hex[:8], uuid.uuid4().hex[:8]
+    procs = Processes(logdir / (f"campaign-{n}" if n else "baseline"), overrides, app="bench.compare_app")
+    procs.logdir.mkdir(parents=True)
+    sender = Sender(create_app("celery-delayed", **overrides).tasks["compare.noop"], run, opts.rate, COUNTDOWN)
+    consumer = make_consumer(settings)
+    probe: PingProbe | None = None
+    meter = RedisMeter(redis.Redis.from_url(settings.redis_url))
+    try:
+        poller = procs.start("poller", "delayed", "poller", "-l", "INFO", env=env)
+        start_worker(procs, env)
+        poller_log = next(log for proc, log in procs.procs if proc is poller)
+        wait_for(lambda: any(len(c["partitions"]) == PARTITIONS for c in leadership_changes(poller_log, 0)), 60,
+                 "the poller to lead every store partition")
+        store: dict[str, Any] = {}
+        if n:
+            ensure_topics(settings, [BULK])
+            parts = topic_partitions(settings, settings.topic(BULK))
+            storer = create_app("celery-delayed", **overrides)  # its own app: the sender's runs in its thread
+            seconds, _ = send(storer, campaign, CALIBRATE, time.time() + 86_400, 0.0, progress,
+                              f"{label}: calibrate ({CALIBRATE:,} due tomorrow)", queue=BULK)
+            rate = CALIBRATE / seconds
+            due = time.time() + n / rate * SAFETY + MARGIN + BEFORE + COUNTDOWN
+            store_thread = threading.Thread(target=_store, daemon=True, name="burst-store",
+                                            args=(store, storer, campaign, n, due, progress, f"{label}: store"))
+            store_thread.start()
+        else:
+            due = time.time() + MARGIN + BEFORE + COUNTDOWN
+        timeline: list[tuple[float, int]] = []
+        on_topic, first_at, all_at, probe_end = 0, None, None, None
+        deadline = due + AFTER + 60 + n / 5000  # the campaign is on its topic by then, or the case failed
+        sending = progress.add_task(f"{label}: send {opts.rate:g}/s, due T-{BEFORE:g}..T+{AFTER:g} s",
+                                    total=round((BEFORE + AFTER) * opts.rate))
+        while True:
+            now = time.time()
+            procs.check_alive()
+            if store.get("error"):
+                raise RuntimeError(f"storing the campaign failed: {store['error']}")
+            if not sender.is_alive() and sender.ident is None and now >= due - BEFORE - COUNTDOWN:
+                sender.start()
+            progress.update(sending, completed=len(sender.sent))
+            if probe is None and now >= due - 1:
+                probe = PingProbe(settings.redis_url)
+                meter.start()
+                probe.start()
+            if n and all_at is None and now >= due - 2:  # none is claimed before T - delayed_dispatch_lead
+                on_topic = high_watermark(consumer, settings.topic(BULK), parts)
+                timeline.append((round(now - due, 3), on_topic))
+                first_at = first_at if first_at is not None or not on_topic else now - due
+                if "stored" in store and on_topic >= store["stored"]:
+                    all_at = now - due
+            if probe is not None and probe_end is None and (all_at is not None if n else now >= due + 1):
+                probe_end = now - due
+                ping, redis_calls = probe.stop(), meter.stop()
+            if now >= due + AFTER - COUNTDOWN and sender.is_alive():
+                sender.stop()
+            if sender.ident is not None and not sender.is_alive() and (not n or all_at is not None):
+                break
+            if now > deadline:
+                raise RuntimeError(f"only {on_topic:,} of {store.get('stored', n):,} campaign tasks on "
+                                   f"{settings.topic(BULK)} {now - due:.0f} s after they were due")
+            time.sleep(SAMPLE_S)
+        progress.remove_task(sending)
+        if sender.error:
+            raise RuntimeError(f"sending the default queue's tasks failed: {sender.error}")
+        if n:
+            store_thread.join()
+        last_due = max(d for _, d in sender.sent) / 1000
+        wait_runs(records, run, len(sender.sent), last_due + opts.grace + n / 20_000, progress, f"{label}: run",
+                  procs)
+        runs, _, _ = read_run(records, run)
+        starts = read_starts(records, run)
+        return {"case": label, "campaign": n, **store, "due": due, "calibrated_per_s": round(rate) if n else None,
+                "sent": len(sender.sent), "sender_behind_s": round(sender.behind_s, 3),
+                "not_run": sum(task_id not in starts for task_id, _ in sender.sent),
+                "ran_twice": sum(count > 1 for count in runs.values()),
+                "ping_ms": ping, "ping_window_s": [-1, round(probe_end, 2)],
+                "redis_slowest_ms": redis_calls["slowest_ms"], "redis_slowest": redis_calls["slowest"][:3],
+                "dispatch": {"first_s": _round(first_at), "all_s": _round(all_at),
+                             "per_s": round(store["stored"] / (all_at - first_at)) if n and all_at > first_at
+                             else None},
+                "timeline": timeline,
+                "points": [(round(d / 1000 - due, 3), starts[t][0] if t in starts else None) for t, d in sender.sent]}
+    finally:
+        sender.stop()
+        if probe is not None and probe_end is None:
+            probe.stop()
+        meter.close()
+        procs.stop_all()
+        consumer.close()
+        _clean(System("celery-delayed", "", "celery-delayed"), overrides, records, run)  # the broker db too
+        remove_everything(settings, [settings.topic(BULK)])
+
+
+def _store(out: dict[str, Any], app: Any, run: str, n: int, due: float, progress: Progress, label: str) -> None:
+    """The campaign: ``n`` tasks on :data:`BULK` all due at ``due`` (epoch s), those built by
+    :data:`CUTOFF` s and ``delayed_min_delay`` before it; how many are in the store (``stored``),
+    how long storing took and how long before ``due`` it ended into ``out``, or the error."""
+    try:
+        seconds, stored = send(app, run, n, due, 0.0, progress, label, queue=BULK,
+                               until=due - store_of(app).settings.min_delay - CUTOFF)
+        out.update(store_s=round(seconds, 1), store_per_s=round(stored / seconds),
+                   stored_before_due_s=round(due - time.time(), 1), stored=stored)
+    except Exception as exc:  # raised by the case's loop
+        out["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def lateness(result: dict[str, Any], during: tuple[float, float] | None = None) -> dict[str, float]:
+    """Summary of the default queue's lateness (ms), of the tasks due within ``during`` (s from T) if given."""
+    return summary([lag for t, lag in result["points"]
+                    if lag is not None and (during is None or during[0] <= t <= during[1])])
+
+
+# -- report --------------------------------------------------------------------
+def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[str, str]) -> str:
+    """The results as Markdown (also printed): a row per case, ratios against the baseline."""
+    base = next((lateness(r) for r in results if not r["campaign"]), None)
+    head = ["case", "campaign stored: tasks in s (tasks/s), ended before T", "default queue: sent / not run",
+            "lateness p50 / p99 / max ms", "p99 / max vs baseline", "due during dispatch: tasks, p99 / max ms",
+            "campaign on its topic: first / all s after T (tasks/s)", "PING p99 / max ms", "Redis slowest ms"]
+    rows = []
+    for r in results:
+        lag = lateness(r)
+        ratio, stored, during, dispatched = "—", "—", "—", "—"
+        if r["campaign"]:
+            d = r["dispatch"]
+            cut = "" if r["stored"] == r["campaign"] else f" of {r['campaign']:,} (cut)"
+            stored = (f"{r['stored']:,}{cut} in {r['store_s']} s ({r['store_per_s']:,}/s), "
+                      f"{r['stored_before_due_s']} s")
+            window = lateness(r, (min(d["first_s"], 0.0), d["all_s"]))
+            during = f"{window['count']}, {_ms(window['p99'])} / {_ms(window['max'])}"
+            dispatched = f"{d['first_s']} / {d['all_s']} ({d['per_s']:,})"
+            if base and base["count"]:
+                ratio = f"{_ratio(lag['p99'], base['p99'])} / {_ratio(lag['max'], base['max'])}"
+        rows.append([r["case"], stored, f"{r['sent']} / {r['not_run']}",
+                     f"{_ms(lag['p50'])} / {_ms(lag['p99'])} / {_ms(lag['max'])}", ratio, during, dispatched,
+                     f"{r['ping_ms']['p99']:.1f} / {r['ping_ms']['max']:.1f}",
+                     f"{r['redis_slowest_ms']:.1f}" if r["redis_slowest_ms"] else f"< {RedisMeter.SLOW_US / 1000:g}"])
+    title = (f"bench.burst: a campaign due at one instant T on queue {BULK} (no worker), the default queue's tasks "
+             f"at {opts.rate:g}/s due T-{BEFORE:g}..T+{AFTER:g} s (countdown {COUNTDOWN:g} s), one worker -c 2, "
+             f"one poller, {PARTITIONS} store partitions")
+    table = Table(*head, title=title)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    notes = ("Lateness: first start - due time of the default queue's tasks; not run by the end: left out of the "
+             "percentiles.  Due during dispatch: due between the campaign's first record on its topic (or T) and "
+             "its last.  Campaign on its topic: the sum of its topic's high watermarks, sampled every "
+             f"{SAMPLE_S * 1000:.0f} ms (a record can be on the topic before T: the poller claims "
+             "delayed_dispatch_lead ahead).  PING: another Redis client's round trips every 5 ms from T - 1 s until "
+             "the campaign was all on its topic (baseline: until T + 1 s); Redis slowest: the longest command of "
+             "the slow log then (what blocked every client).")
+    return "\n".join([f"### {title}", "", _markdown(head, rows), "", notes, "",
+                      "Versions: " + ", ".join(f"{k} {v}" for k, v in found.items())]) + "\n"
+
+
+def _ratio(value: float, base: float) -> str:
+    return "—" if math.isnan(value) or math.isnan(base) else f"{value / max(base, 1.0):,.1f}x"
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    """The default queue's lateness over its due time (s from T), each case; the campaigns' records
+    on their topic over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (late, topic) = plt.subplots(2, 1, figsize=(13, 9), sharex=True)
+    for r in results:
+        ran = [(t, lag) for t, lag in r["points"] if lag is not None]
+        (line,) = late.plot([t for t, _ in ran], [max(lag, 0) for _, lag in ran], ".-", markersize=3, linewidth=0.6,
+                            alpha=0.8, label=f"{r['case']}: p99 {_ms(percentile([lag for _, lag in ran], .99))} ms")
+        if r["campaign"]:
+            d = r["dispatch"]
+            late.axvspan(min(d["first_s"], 0.0), d["all_s"], color=line.get_color(), alpha=0.12)
+            topic.plot([t for t, _ in r["timeline"]], [k for _, k in r["timeline"]], color=line.get_color(),
+                       label=f"{r['case']}: all on the topic {d['all_s']} s after T ({d['per_s']:,}/s)")
+    late.axvline(0, color="black", linestyle="--", linewidth=0.8)
+    topic.axvline(0, color="black", linestyle="--", linewidth=0.8)
+    late.set(title="the default queue's tasks: lateness by due time (shaded: the campaign being dispatched)",
+             ylabel="first start - due, ms (symlog)", yscale="symlog")
+    late.set_yscale("symlog", linthresh=10)
+    late.set_ylim(0, None)
+    topic.set(title=f"the campaign: records on its topic ({BULK})", xlabel="seconds from T (the campaign's due time)",
+              ylabel="records")
+    return save_figure(fig, (late, topic), path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.burst", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a campaign of 20,000 (CI, ~2 min)")
+    parser.add_argument("--tasks", type=int, nargs="+", default=[100_000, 1_000_000],
+                        help="campaign sizes, one case each after the baseline (default 100000 1000000)")
+    parser.add_argument("--rate", type=float, default=20.0, help="the default queue's tasks sent a second")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="wait this long past the last due time (plus 1 s per 20,000 campaign tasks)")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        opts.tasks = [20_000]
+    if any(n < 1 or n > 2_000_000 for n in opts.tasks):
+        parser.error("--tasks: each between 1 and 2,000,000")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    with exclusive("bench.burst"):
+        found = versions()
+        console.print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()))
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = RESULTS / f"burst-{stamp}{'-quick' if opts.quick else ''}"
+        results, failed = [], []
+        began = time.monotonic()
+        logdir = base.with_suffix(".logs")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            for n in [0, *opts.tasks]:
+                try:
+                    results.append(run_case(n, opts, progress, logdir))
+                except (RuntimeError, AssertionError) as exc:  # the other cases still run
+                    failed.append(f"{'campaign ' + format(n, ',') if n else 'baseline'}: {exc}")
+                    console.print(f"[red]failed[/]: {failed[-1]}")
+        table = report(results, opts, found) + "".join(f"\nFailed: {f}\n" for f in failed)
+        wall = round(time.monotonic() - began)
+        base.with_suffix(".md").write_text(table + f"\nWall time: {wall} s.\n")
+        base.with_suffix(".json").write_text(json.dumps(
+            {"versions": found, "git": git_state(), "options": vars(opts), "wall_s": wall, "failed": failed,
+             "results": results}, indent=1, default=str))
+        plot(results, base.with_suffix(".png"))
+        if not opts.quick:
+            for suffix in (".md", ".json", ".png"):
+                shutil.copyfile(base.with_suffix(suffix), RESULTS / f"burst-latest{suffix}")
+        console.print(f"results: {base}.md, .json, .png; logs in {logdir}/ ({wall} s)")
+        lost = sum(r["not_run"] for r in results)
+        if lost:
+            console.print(f"[red]{lost} default-queue task(s) not run")
+        return 1 if lost or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

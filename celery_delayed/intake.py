@@ -187,7 +187,7 @@ class Intake:
             elif fate is _Fate.UNKNOWN:
                 self.claims.forget(task_id)
             else:
-                _back_in_pool(self._jobs.get(task_id) or self._requests[task_id]._apply_result())
+                _back_in_pool(self._job_of(self._requests[task_id]))
             self._untrack(task_id)
 
     def _on_received(self, request: Any = None, **_: Any) -> None:
@@ -204,6 +204,11 @@ class Intake:
             if request._apply_result is not None:
                 self._jobs[task_id] = request._apply_result()
 
+    def _job_of(self, request: Any) -> Any:
+        """The pool job of a request given to the pool: the one held since the warm shutdown began, else
+        the one Celery still refers to (None once the pool dropped it)."""
+        return self._jobs.get(request.id) or request._apply_result()
+
     def _fate(self, task_id: str) -> _Fate:
         """Whether the task of a request in hand, not running, may still run once Celery stopped its
         consumer (which flushes the pool: a prefork job not yet written to a child is dropped)."""
@@ -212,7 +217,7 @@ class Intake:
             return _Fate.UNKNOWN
         if request._apply_result is None:  # never given to the pool: dropped, unless Celery still has it
             return _Fate.NEVER if worker_state.requests.get(task_id) is not request else _Fate.UNKNOWN
-        job = self._jobs.get(task_id) or request._apply_result()
+        job = self._job_of(request)
         if job is None:
             return _Fate.UNKNOWN
         if getattr(job, "_write_to", True) is None and not job._accepted:  # prefork: flushed unwritten

@@ -39,25 +39,28 @@ class Processes:
         self.procs: list[tuple[subprocess.Popen, Path]] = []  # kept after stop_all: the logs stay readable
         self._stopped: set[int] = set()
 
-    def start(self, name: str, *args: str, env: dict | None = None,
-              overrides: dict[str, Any] | None = None) -> subprocess.Popen:
-        """``python -m celery -A <app> <args>``, its output in ``<logdir>/<name>-<n>.log``."""
+    def start(self, name: str, *args: str, env: dict | None = None, overrides: dict[str, Any] | None = None,
+              wrap: list[str] | None = None) -> subprocess.Popen:
+        """``python -m celery -A <app> <args>``, its output in ``<logdir>/<name>-<n>.log``; ``wrap`` is a
+        command prefix that keeps the pid (``ip netns exec NS``: the process in a test host)."""
         log = self.logdir / f"{name}-{len(self.procs)}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", self.app, *args], cwd=ROOT,
+        proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "celery", "-A", self.app, *args], cwd=ROOT,
                                 env={**environment(self.overrides if overrides is None else overrides),
                                      **(env or {})},
                                 stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((proc, log))
         return proc
 
-    def poller(self, name: str = "poller", overrides: dict[str, Any] | None = None) -> subprocess.Popen:
-        return self.start(name, "delayed", "poller", "-l", "INFO", overrides=overrides)
+    def poller(self, name: str = "poller", overrides: dict[str, Any] | None = None,
+               wrap: list[str] | None = None) -> subprocess.Popen:
+        return self.start(name, "delayed", "poller", "-l", "INFO", overrides=overrides, wrap=wrap)
 
-    def worker(self, name: str = "w1", *args: str, env: dict | None = None) -> subprocess.Popen:
+    def worker(self, name: str = "w1", *args: str, env: dict | None = None,
+               wrap: list[str] | None = None) -> subprocess.Popen:
         """A worker of the overrides' default queue, without the broadcast chatter tests do not need."""
         queue = self.overrides["task_default_queue"]
         return self.start(f"worker-{name}", "worker", "-l", "INFO", "-n", f"{name}@%h", "-Q", queue,
-                          "--without-heartbeat", "--without-mingle", "--without-gossip", *args, env=env)
+                          "--without-heartbeat", "--without-mingle", "--without-gossip", *args, env=env, wrap=wrap)
 
     def log(self, proc: subprocess.Popen) -> str:
         return next(log for p, log in self.procs if p is proc).read_text(errors="replace")

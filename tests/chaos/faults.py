@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from urllib.parse import urlparse
+
 import redis
 
 from celery_delayed.settings import Settings
 from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders, wait_for
+
+from .network import Host, Hosts
 
 #: Seconds an etcd leader that was killed stays down: longer than an election (election timeout 1 s).
 ETCD_LEADER_DOWN_S = 4.0
@@ -34,6 +38,11 @@ SCALED_S = 10.0
 PROMOTION_TIMEOUT_S = 60.0
 #: Nodes of the redis-cluster service of scripts/services (ports CD_REDIS_CLUSTER_PORT and on).
 CLUSTER_NODES = 6
+#: Seconds a link stays cut (a poller from Redis, a worker from Redis) or lossy.
+CUT_S = 10.0
+LOSSY_S = 20.0
+#: Share of the packets a lossy link drops.
+LOSS = 0.05
 
 
 @dataclass
@@ -47,16 +56,26 @@ class Cluster:
     workers: list[subprocess.Popen] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
     started: int = 0
+    hosts: Hosts | None = None  # each poller and worker in its own network namespace (link faults) or all on loopback
+    host_of: dict[int, Host] = field(default_factory=dict)
 
     def add_poller(self) -> subprocess.Popen:
-        self.pollers.append(self.procs.poller())
+        host = self.hosts.add() if self.hosts else None
+        self.pollers.append(self._placed(self.procs.poller(wrap=host and host.wrap), host))
         return self.pollers[-1]
 
     def add_worker(self) -> subprocess.Popen:
         """A prefork worker with 2 pool children, under a name not used before in the run."""
         self.started += 1
-        self.workers.append(self.procs.worker(f"w{self.started}", "-c", "2"))
+        host = self.hosts.add() if self.hosts else None
+        self.workers.append(self._placed(self.procs.worker(f"w{self.started}", "-c", "2", wrap=host and host.wrap),
+                                         host))
         return self.workers[-1]
+
+    def _placed(self, proc: subprocess.Popen, host: Host | None) -> subprocess.Popen:
+        if host is not None:
+            self.host_of[proc.pid] = host
+        return proc
 
     def leading_poller(self) -> subprocess.Popen:
         """A poller that leads some partition now (by etcd), picked at random."""
@@ -299,18 +318,106 @@ def etcd_leader_kill(cluster: Cluster) -> str:
             f"{ETCD_LEADER_DOWN_S:.0f} s; " + _services("up", f"{ETCD}-{member}"))
 
 
+def _ports(urls: str) -> list[int]:
+    """The ports of comma-separated URLs or host:port pairs."""
+    return sorted({urlparse(u if "//" in u else f"//{u}").port for u in urls.split(",")})
+
+
+def _store_ports(settings: Settings) -> list[int]:
+    """The ports of the delayed store's Redis: each node of a cluster."""
+    ports = _ports(settings.redis_url)
+    return [ports[0] + n for n in range(CLUSTER_NODES)] if settings.redis_cluster else ports
+
+
+def _host(cluster: Cluster, proc: subprocess.Popen) -> Host:
+    if cluster.hosts is None:
+        raise RuntimeError("link faults need the run's processes in network namespaces (root, ip, iptables)")
+    return cluster.host_of[proc.pid]
+
+
+def _cut(host: Host, ports: list[int], seconds: float) -> None:
+    """The links from ``host`` to ``ports`` cut for ``seconds``, then healed."""
+    host.cut(ports)
+    try:
+        time.sleep(seconds)
+    finally:
+        host.heal()
+
+
+def partition_poller_etcd(cluster: Cluster) -> str:
+    """A leading poller loses etcd only (Redis and Kafka still reachable), for twice its lease: fenced, it
+    must stop dispatching before its lease lapses, and a standby takes its partitions over."""
+    victim = cluster.leading_poller()
+    before = _partitions_of(cluster, victim.pid)
+    cut_s = cluster.settings.lease_ttl * 2 + 2
+    host = _host(cluster, victim)
+    host.cut(_ports(cluster.settings.etcd_endpoints))
+    try:
+        time.sleep(cut_s)
+        during = leaders(cluster.settings)
+    finally:
+        host.heal()
+    moved = {p: during.get(p) for p in before}
+    return f"poller {victim.pid} (leading {before}) cut from etcd for {cut_s} s; then led by {moved}"
+
+
+def partition_poller_redis(cluster: Cluster) -> str:
+    """A leading poller loses the store's Redis only, for :data:`CUT_S`."""
+    victim = cluster.leading_poller()
+    _cut(_host(cluster, victim), _store_ports(cluster.settings), CUT_S)
+    return f"poller {victim.pid} (leading {_partitions_of(cluster, victim.pid)}) cut from the store for {CUT_S:.0f} s"
+
+
+def partition_worker_redis(cluster: Cluster) -> str:
+    """A worker loses Redis (the store, Celery's broker and result backend) while it runs tasks, for :data:`CUT_S`."""
+    victim = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    ports = sorted({*_store_ports(cluster.settings), int(os.environ.get("CD_REDIS_PORT", "6379"))})
+    _cut(_host(cluster, victim), ports, CUT_S)
+    return f"worker {victim.pid} cut from Redis (ports {ports}) for {CUT_S:.0f} s"
+
+
+def partition_worker_kafka(cluster: Cluster) -> str:
+    """A worker loses Kafka only, while its tasks run, past the group session (6 s, 10 s classic): the group
+    gives its partitions to the others."""
+    victim = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    cut_s = 20.0
+    _cut(_host(cluster, victim), _ports(cluster.settings.kafka_servers), cut_s)
+    return f"worker {victim.pid} cut from Kafka for {cut_s:.0f} s"
+
+
+def lossy_kafka(cluster: Cluster) -> str:
+    """A leading poller's and a worker's links to Kafka drop :data:`LOSS` of their packets for :data:`LOSSY_S`."""
+    poller = cluster.leading_poller()
+    worker = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    hosts = [_host(cluster, poller), _host(cluster, worker)]
+    try:
+        for host in hosts:
+            host.lose(_ports(cluster.settings.kafka_servers), LOSS)
+        time.sleep(LOSSY_S)
+    finally:
+        for host in hosts:
+            host.heal()
+    return f"{LOSS:.0%} packet loss between Kafka and poller {poller.pid}, worker {worker.pid} for {LOSSY_S:.0f} s"
+
+
 FAULTS: dict[str, Callable[[Cluster], str]] = {
     "poller-kill": poller_kill, "poller-pause": poller_pause, "poller-starve": poller_starve,
     "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
     "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
     "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe, "etcd-leader-kill": etcd_leader_kill,
     "redis-failover": redis_failover, "rolling-deploy": rolling_deploy, "scale": scale,
+    "partition-poller-etcd": partition_poller_etcd, "partition-poller-redis": partition_poller_redis,
+    "partition-worker-redis": partition_worker_redis, "partition-worker-kafka": partition_worker_kafka,
+    "lossy-kafka": lossy_kafka,
 }
+#: Faults of one host's links, which need the run's processes in network namespaces (:mod:`.network`).
+LINKS = ["partition-poller-etcd", "partition-poller-redis", "partition-worker-redis", "partition-worker-kafka",
+         "lossy-kafka"]
 #: Faults that need the store on the Redis Cluster (``--store cluster``).
 CLUSTER_ONLY = ["redis-failover"]
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
 QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
-         "kafka-restart", "etcd-restart", "etcd-leader-kill", "rolling-deploy"]
+         "kafka-restart", "etcd-restart", "etcd-leader-kill", "rolling-deploy", "partition-poller-etcd"]
 #: Faults run after all others (the rest are measured first): a wipe starts etcd over (a new fencing epoch).
 LAST = ["etcd-wipe"]
 

@@ -28,7 +28,8 @@ from tasks import create_app
 from tasks.chaos import ledger as ledger_of
 from tests.integration.support import ETCD3_ENDPOINTS, ROOT, Processes
 
-from . import check, faults, ledger, load, report
+from . import check, faults, ledger, load, network, report
+from .network import Hosts
 
 RESULTS = ROOT / "tests" / "chaos" / "results"
 #: Stop waiting for the load when no task finished for this long (s) after the last fault and due time:
@@ -120,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{run_info['schedule_wait']!r}), seed [bold]{seed}[/]: {args.tasks or profile.tasks} tasks, faults "
                   f"{', '.join(names) or 'none'}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in run_info["versions"].items()))
+    hosts = _hosts(names, console)
+    run_info["network"] = "a network namespace per poller and worker" if hosts else "loopback"
     started = time.monotonic()
-    chaos = Run(app, overrides, profile, args.tasks or profile.tasks, names, seed, folder, console)
+    chaos = Run(app, overrides, profile, args.tasks or profile.tasks, names, seed, folder, console, hosts)
     result = chaos.execute()
     run_info["wall_s"] = round(time.monotonic() - started, 1)
     run_info["live"] = {"sent": len(chaos.live.sent), "by_broker": chaos.live.by_broker,
@@ -137,6 +140,20 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{'PASS' if ok else '[red]FAIL[/]'}: {check_name}")
     console.print(f"wall time {run_info['wall_s']:.0f} s; report in {folder}")
     return 0 if result["verdict"]["ok"] else 1
+
+
+def _hosts(names: list[str], console: Console) -> Hosts | None:
+    """Each poller and worker in its own network namespace where this machine allows it; refused when
+    a link fault is planned and it does not."""
+    why = network.available()
+    if why is None:
+        console.print("network: each poller and worker in its own network namespace (link faults possible)")
+        return Hosts()
+    links = [n for n in names if n in faults.LINKS]
+    if links:
+        raise SystemExit(f"{', '.join(links)} cannot run here: {why}")
+    console.print(f"network: loopback ({why})")
+    return None
 
 
 def store_overrides(store: str, schedule_wait: str | None = None) -> dict[str, Any]:
@@ -157,7 +174,7 @@ class Run:
     """One chaos run on the local servers, with its own key prefix, topics, group and queue."""
 
     def __init__(self, app: Any, overrides: dict[str, Any], profile: Profile, n: int, names: list[str], seed: int,
-                 folder: Path, console: Console) -> None:
+                 folder: Path, console: Console, hosts: Hosts | None = None) -> None:
         self.app, self.settings, self.profile, self.n = app, app.amqp.delayed_settings, profile, n
         self.rng = random.Random(seed)
         self.folder, self.console = folder, console
@@ -165,7 +182,7 @@ class Run:
         self.topic = self.settings.topic(app.conf.task_default_queue)
         services = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
         self.cluster = faults.Cluster(self.settings, Processes(folder / "logs", overrides), services,
-                                      rng=random.Random(seed + 1))
+                                      rng=random.Random(seed + 1), hosts=hosts)
         self.plan = faults.schedule(self.rng, names, profile.times, profile.faults_from_s, profile.faults_until_s)
         self.injected: list[faults.Injected] = []
         self.live = load.LiveSender(app, str(folder / "ledger.db"), random.Random(seed + 2))
@@ -185,6 +202,8 @@ class Run:
             state = self._settle()
         finally:
             self.cluster.procs.stop_all()
+            if self.cluster.hosts is not None:
+                self.cluster.hosts.close()
         deliveries, state["on_kafka"] = self._deliveries()
         tasks = tasks + self.live.sent
         verdict = check.analyse(tasks, ledger.runs(db), *ledger.effects(db), deliveries, self.injected, **state)

@@ -1,0 +1,52 @@
+"""The chaos suite's test hosts (:mod:`tests.chaos.network`): a process in a network namespace reaches the
+servers on 127.0.0.1 as any other does, a cut link drops its packets both ways until healed, and closing
+the hosts leaves no namespace, link or rule behind."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.chaos.network import Hosts, available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}")
+
+#: In a host: PING the Redis on 127.0.0.1, no retries, a 1 s timeout; prints PONG or the error's name.
+PING = """
+import sys, redis
+from redis.retry import Retry
+from redis.backoff import NoBackoff
+client = redis.Redis(port=int(sys.argv[1]), socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+try:
+    print("PONG" if client.ping() else "no")
+except redis.RedisError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def ping_from(host, port: int) -> str:
+    out = subprocess.run([*host.wrap, sys.executable, "-c", PING, str(port)], capture_output=True, text=True,
+                         timeout=30)
+    return out.stdout.strip() or out.stderr.strip()[-300:]
+
+
+def test_a_host_reaches_the_servers_a_cut_link_drops_and_heals_and_close_leaves_nothing(services):
+    port = int(services.redis_url.rsplit(":", 1)[1].split("/")[0])
+    hosts = Hosts()
+    try:
+        cut, other = hosts.add(), hosts.add()
+        assert ping_from(cut, port) == "PONG"  # through the namespace's NAT, protected mode and all
+        cut.cut([port])
+        assert (ping_from(cut, port), ping_from(other, port)) == ("TimeoutError", "PONG")  # one host's link only
+        cut.heal()
+        assert ping_from(cut, port) == "PONG"
+        cut.lose([port], 1.0)  # every packet lost is a cut too
+        assert ping_from(cut, port) == "TimeoutError"
+    finally:
+        hosts.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert [h.name for h in (cut, other) if h.name in listed] == []
+    rules = "".join(subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
+                    for t in ("nat", "raw"))
+    assert hosts.tag not in rules

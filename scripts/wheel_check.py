@@ -38,8 +38,15 @@ def add(x, y):
 '''
 
 
+def _named(package: str, suffix: str) -> list[str]:
+    try:
+        return sorted(p.name for p in files(package).iterdir() if p.name.endswith(suffix))
+    except (ModuleNotFoundError, OSError):  # the package or its folder is not in the wheel
+        return []
+
+
 def _data_files() -> dict[str, list[str]]:
-    found = {package: sorted(p.name for p in files(package).iterdir() if p.name.endswith(suffix))
+    found = {package: _named(package, suffix)
              for package, suffix in (("celery_delayed.lua", ".lua"), ("celery_delayed.web.templates", ".html"),
                                      ("celery_delayed.web.static", ".css"))}
     empty = [package for package, names in found.items() if not names]

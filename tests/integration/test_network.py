@@ -3,12 +3,20 @@ servers on 127.0.0.1 as any other does, a cut link drops its packets both ways u
 the hosts leaves no namespace, link or rule behind."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
+from celery_delayed import store_of
+from celery_delayed.dlq import DeadLetters
+from tasks import create_app
 from tests.chaos.network import Hosts, available
+
+from .support import wait_for
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}")
 
@@ -50,3 +58,31 @@ def test_a_host_reaches_the_servers_a_cut_link_drops_and_heals_and_close_leaves_
     rules = "".join(subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
                     for t in ("nat", "raw"))
     assert hosts.tag not in rules
+
+
+@pytest.mark.parametrize("store_redis", ["cluster"], indirect=True)
+def test_a_retry_whose_store_write_outlasts_the_soft_time_limit_is_written_not_failed(overrides, processes):
+    """Review finding F7, on a real worker: cut from the store only (on the Redis Cluster; Celery's broker and
+    result backend stay reachable) while its task works, the task's ``self.retry(countdown=3)`` waits for the
+    store, and its soft time limit fires meanwhile.  The retry must be written once the link heals, and run:
+    not turned into a failure (Celery makes SoftTimeLimitExceeded a FAILURE) and dead-lettered."""
+    app = create_app(**overrides)
+    store = store_of(app)
+    cluster_ports = [int(os.environ.get("CD_REDIS_CLUSTER_PORT", "7001")) + n for n in range(6)]
+    run = uuid.uuid4().hex
+    hosts = Hosts()
+    try:
+        host = hosts.add()
+        processes.poller()
+        processes.worker("w1", wrap=host.wrap)
+        # attempt 1 counts itself in the store, works 3 s, then retries; the soft limit fires at 5 s
+        result = app.tasks["tasks.demo.flaky"].apply_async((run, 1, 3.0, 3.0), countdown=2, soft_time_limit=5)
+        wait_for(lambda: store.redis.hget(f"demo:{run}:runs", result.id), 90, "the first attempt to start")
+        host.cut(cluster_ports)
+        time.sleep(8)
+        host.heal()
+        assert result.get(timeout=90) == 2
+        assert DeadLetters(store).count() == 0
+    finally:
+        processes.stop_all()
+        hosts.close()

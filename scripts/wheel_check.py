@@ -81,8 +81,8 @@ def main() -> int:
             started.append(subprocess.Popen([celery, "-A", "wheelapp", *args], cwd=work, env=env,
                                             stdout=(work / f"{name}.log").open("wb"), stderr=subprocess.STDOUT,
                                             start_new_session=True))
+        due = time.time() + 3  # before the call: the ETA apply_async computes is no earlier than this
         result = wheelapp.add.apply_async((2, 3), countdown=3)
-        due = time.time() + 3
         if store_of(wheelapp.app).get(result.id) is None:
             raise SystemExit("the countdown task is not in the delayed store")
         value = result.get(timeout=120)

@@ -18,13 +18,14 @@ from typing import Callable, Iterator
 import click
 import prometheus_client
 from confluent_kafka import KafkaException
+from kombu.exceptions import OperationalError
 from celery.bin.base import CeleryCommand, handle_preload_options
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from . import browse, store_of
+from . import browse, drain, store_of
 from .browse import Filter, parse_move, parse_when
 from .dlq import DeadLetterError, DeadLetters
 from .kafka import fleet, grow_topic
@@ -208,10 +209,12 @@ def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
         matched = browse.count(store, flt, progress)
     what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
     if dry_run or not matched:
-        click.echo(f"{matched} scheduled tasks match {what}" + ("; nothing changed" if dry_run else ""))
+        click.echo(f"{matched} scheduled tasks " + (f"match {what}" if what else "in all")
+                   + ("; nothing changed" if dry_run else ""))
         return
     if not yes:
-        click.confirm(f"This will {verb} {matched} scheduled tasks ({what}). Go on?", abort=True)
+        click.confirm(f"This will {verb} {matched} scheduled tasks" + (f" ({what})" if what else "") + ". Go on?",
+                      abort=True)
     with _progress(verb) as progress, _store_errors():
         counted = act(progress)
     click.echo(", ".join(f"{k} {v}" for k, v in counted.items()))
@@ -287,6 +290,52 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     with _store_errors():
         due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(f"{task_id} now due {iso_of(due_ms)}")
+
+
+@delayed.command(name="drain", cls=CeleryCommand)
+@click.option("--to-broker", is_flag=True, help="Publish them to the app's broker with their ETA (required: the "
+              "only way out there is).")
+@click.option("--force", is_flag=True, help="Drain while pollers run (a task one dispatches meanwhile goes to "
+              "Kafka as well as to the broker).")
+@_filter_options
+@click.pass_context
+def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: bool, yes: bool, **fields) -> None:
+    """Send scheduled tasks back to Celery's broker, as Celery would have sent them, and out of the store.
+
+    The way back from celery-delayed: each task (every one, or those the filter
+    options select) is published to the app's broker with its ETA, then removed
+    from the store; a plain Celery worker runs it at its ETA.  Counted first and
+    confirmed (--yes: without asking; --dry-run: only count).  Stop the pollers
+    first (refused while any runs, unless --force).  Stopped at any point, it can
+    be run again: nothing is lost, at most the task it was sending is sent twice.
+    """
+    if not to_broker:
+        raise click.UsageError("say where to: --to-broker (the app's broker, with each task's ETA)")
+    app = ctx.obj.app
+    store = _load(ctx)[1]
+    flt = _bulk_filter(store, fields) or Filter()
+    if not (force or dry_run):
+        try:
+            pollers = drain.running_pollers(store)
+        except Exception as exc:  # etcd's client raises its own kinds
+            raise click.ClickException(f"cannot tell whether pollers run (etcd: {exc}); pass --force once they "
+                                       "are stopped") from None
+        if pollers:
+            raise click.ClickException(f"{len(pollers)} poller(s) running ({', '.join(pollers)}): stop them first, "
+                                       "or pass --force (a task they dispatch while it is drained would reach "
+                                       "Kafka as well as the broker)")
+    with _store_errors():
+        returned, claimed = drain.return_lapsed_claims(store) if not dry_run else (0, 0)
+    if returned:
+        click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
+    try:
+        _bulk(store, flt, "send to the broker", dry_run, yes, lambda progress: drain.to_broker(app, flt, progress))
+    except OperationalError as exc:
+        raise click.ClickException(f"Celery's broker is unreachable ({exc}): run drain again once it is back "
+                                   "(what was sent is out of the store, the rest still in it)") from None
+    if claimed:
+        click.echo(f"{claimed} tasks are still claimed by a poller (dispatching them, or dead for less than "
+                   "delayed_visibility_timeout): run drain again once that has passed")
 
 
 @delayed.command(cls=CeleryCommand)

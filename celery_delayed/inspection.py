@@ -74,6 +74,13 @@ class Inspection:
         stored = self._call_redis(self.redis.hget, self.keys.msgs(self.partition(task_id)), member_of(task_id))
         return None if stored is None else _envelope_of(stored)
 
+    def lapsed_claims(self, partition: int, now_ms: int) -> list[tuple[str, int]]:
+        """The ``(task_id, claim stamp)`` of a partition's in-flight tasks whose claim ran out by
+        ``now_ms`` (their poller died before Kafka had them; the next claim puts them back)."""
+        entries = self._call_redis(self.redis.zrange, self.keys.inflight(partition), "-inf", now_ms,
+                                   byscore=True, withscores=True)
+        return [(task_id_of(member), int(stamp)) for member, stamp in entries]
+
     def upcoming(self, limit: int = 100, after: str | None = None) -> Page:
         """The next ``limit`` scheduled tasks across all partitions, in due order.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Container, Iterator
 
 from .inspection import Page, cursor_after, parse_cursor
 from .layout import due_ms_of, member_of
@@ -135,6 +135,20 @@ def walk(store: DelayedStore, flt: Filter, progress: Progress | None = None,
 def count(store: DelayedStore, flt: Filter, progress: Progress | None = None) -> int:
     """How many scheduled tasks match ``flt`` (a walk of the due window given: bounded batches)."""
     return sum(len(batch) for batch in walk(store, flt, progress))
+
+
+def by_task(store: DelayedStore, registered: Container[str], progress: Progress | None = None) -> list[dict]:
+    """Per task name scheduled: how many (``count``), the earliest one's due time (``next_due_ms``) and
+    whether ``registered`` has the name (a task the app no longer knows would be dead-lettered when due);
+    the unregistered names first.  A walk of the whole schedule (bounded batches)."""
+    names: dict[str, dict] = {}
+    for batch in walk(store, Filter(), progress):
+        for item in batch:
+            seen = names.setdefault(item["task"], {"task": item["task"], "count": 0, "next_due_ms": item["due_ms"],
+                                                   "registered": item["task"] in registered})
+            seen["count"] += 1
+            seen["next_due_ms"] = min(seen["next_due_ms"], item["due_ms"])
+    return sorted(names.values(), key=lambda row: (row["registered"], row["task"]))
 
 
 def cancel(app: Celery, flt: Filter, progress: Progress | None = None) -> dict[str, int]:

@@ -89,15 +89,19 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
 
 @delayed.command(cls=CeleryCommand)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per partition).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per partition; with "
+              "--tasks, {partitions, tasks}).")
+@click.option("--tasks", "by_task", is_flag=True, help="Also per task name: how many, next due, whether this app "
+              "registers it (reads the whole schedule).")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time."""
     store = _load(ctx)[1]
     with _store_errors():
         counts, now_ms = store.counts(), store.now_ms()
+    names = _task_names(ctx, store) if by_task else None
     if as_json:
-        click.echo(json.dumps(counts))
+        click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
         return
     table = Table("partition", "scheduled", "inflight", "overdue", "oldest overdue", "next due")
     for row in counts:
@@ -107,6 +111,26 @@ def status(ctx: click.Context, as_json: bool) -> None:
     table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
+    if names is not None:
+        console.print(_task_table(names, now_ms))
+
+
+def _task_names(ctx: click.Context, store: DelayedStore) -> list[dict]:
+    """:func:`.browse.by_task` against the tasks the app registers once its modules are imported (as a
+    worker's are at start), with progress."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    with _progress("reading the schedule") as progress, _store_errors():
+        return browse.by_task(store, app.tasks, progress)
+
+
+def _task_table(names: list[dict], now_ms: int) -> Table:
+    table = Table("task", "scheduled", "next due", "registered")
+    for row in names:
+        table.add_row(row["task"], f"{row['count']:,}", f"{iso_of(row['next_due_ms'])} "
+                      f"({_due_in(row['next_due_ms'], now_ms)})", "yes" if row["registered"] else "NO",
+                      style=None if row["registered"] else "bold red")
+    return table
 
 
 @delayed.command(cls=CeleryCommand)
@@ -290,6 +314,32 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     with _store_errors():
         due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(f"{task_id} now due {iso_of(due_ms)}")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: [{task, count, next_due_ms, "
+              "registered}].")
+@click.pass_context
+def check(ctx: click.Context, as_json: bool) -> None:
+    """Before a deploy: fail (exit 1) when scheduled tasks name a task this app does not register.
+
+    A task renamed or removed in the new code would reach the workers under its
+    old name and be parked in the dead-letter queue.  Lists every scheduled task
+    name with its count and next due time, the unregistered ones flagged.  Reads
+    the whole schedule, in batches, with progress.
+    """
+    store = _load(ctx)[1]
+    names = _task_names(ctx, store)
+    if as_json:
+        click.echo(json.dumps(names))
+    else:
+        console.print(_task_table(names, store.now_ms()))
+    if unknown := [row for row in names if not row["registered"]]:
+        raise click.ClickException(f"{len(unknown)} scheduled task name(s) this app does not register: "
+                                   + ", ".join(f"{row['task']} ({row['count']:,} scheduled, next due "
+                                               f"{iso_of(row['next_due_ms'])})" for row in unknown)
+                                   + "; register them again (an alias task of the old name), or cancel them "
+                                   "(delayed cancel --task NAME)")
 
 
 @delayed.command(name="drain", cls=CeleryCommand)

@@ -35,6 +35,8 @@ MINUTE_MS, HOUR_MS = 60_000, 3_600_000
 NEAR_BINS, FAR_BINS = 60, 48
 #: Seconds between two readings of the days-ahead histogram.
 FAR_EVERY = 30.0
+#: Seconds between two counts of the scheduled tasks per task name (each reads the whole schedule).
+NAMES_EVERY = 300.0
 #: Seconds between two scrapes of the pollers' metrics.
 SCRAPE_EVERY = 5.0
 #: Dead letters a bulk requeue or purge takes between two progress reports.
@@ -59,11 +61,13 @@ class Views:
         # the days-ahead histogram counts every bucket of two days (~0.5 s of short calls at any store
         # size): read in the background, at most every FAR_EVERY seconds, shown with its age
         self._far = Refreshing(lambda: self._histogram(self.store.now_ms(), HOUR_MS, FAR_BINS), FAR_EVERY)
+        self._names: Refreshing | None = None  # started by the first overview: a walk of the whole schedule
 
     # -- overview ------------------------------------------------------------
     def overview(self) -> dict[str, Any]:
         """Per partition and in all: scheduled, in flight, overdue, next due, the leader and its lease;
-        dead letters; the load histogram; the pollers' dispatch rate and lag when their metrics are given."""
+        dead letters; the load histogram; the pollers' dispatch rate and lag when their metrics are given;
+        the tasks per task name (None while the first count runs)."""
         now_ms = self.store.now_ms()
         rows = self.store.counts()
         lead, etcd_error = self._leaders()
@@ -75,7 +79,18 @@ class Views:
                 "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
                 "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
                               "next_days": self._far.get()},
-                "dispatch": self._dispatch.get() if self._dispatch else None}
+                "dispatch": self._dispatch.get() if self._dispatch else None,
+                "task_names": self._task_names()}
+
+    def _task_names(self) -> dict[str, Any] | None:
+        """Scheduled tasks per task name, the names the app does not register flagged (a deploy renamed
+        or removed them); counted in the background every NAMES_EVERY seconds, shown with its age."""
+        if self._names is None:
+            def count() -> dict[str, Any]:
+                self.app.loader.import_default_modules()  # the app's tasks, as a worker registers them
+                return {"as_of_ms": self.store.now_ms(), "tasks": browse.by_task(self.store, self.app.tasks)}
+            self._names = Refreshing(count, NAMES_EVERY)
+        return self._names.get(wait=False)
 
     def _histogram(self, now_ms: int, bin_ms: int, bins: int) -> dict[str, Any]:
         start = now_ms - now_ms % bin_ms
@@ -209,7 +224,10 @@ class Refreshing:
         self.ready = threading.Event()
         self._refresh()
 
-    def get(self) -> Any:
+    def get(self, wait: bool = True) -> Any:
+        """The latest value; without ``wait``, None until the first one is ready."""
+        if not wait and not self.ready.is_set():
+            return None
         self.ready.wait()
         if time.monotonic() - self._at > self._every:
             self._refresh()

@@ -137,6 +137,22 @@ def test_every_page_answers_and_its_api_twin_returns_the_same_data(app, server):
     assert status == 400 and "not a time: 'yesterday'" in error["error"]
 
 
+def test_the_overview_counts_tasks_per_name_and_flags_the_names_the_app_does_not_register(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)  # app.mail and app.page: names the demo app does not register
+    store_of(app).schedule_many(envelopes(4, "web", now + 2 * MINUTE, prefix="add", task="tasks.demo.add"))
+    client = Client(server.url)
+    assert client.json("/api/overview")[1]["task_names"] is None  # the first count starts in the background
+    assert "(counting...)" in client.request("/")[1]
+    names = wait_for(lambda: client.json("/api/overview")[1]["task_names"], 30, "the count per task name")
+    assert [(row["task"], row["count"], row["registered"]) for row in names["tasks"]] == [
+        ("app.mail", 120, False), ("app.page", 60, False), ("tasks.demo.add", 4, True)]
+    assert names["tasks"][0]["next_due_ms"] == now + MINUTE
+    page = client.request("/")[1]
+    flagged = page[page.index('id="task-names"'):].split("</table>")[0]
+    assert flagged.count("NO: dead-lettered when due") == 2 and 'href="/upcoming?task=app.mail"' in flagged
+
+
 def test_upcoming_pages_through_every_partition_in_due_order(app, server):
     now = int(time.time() * 1000)
     _schedule(app, now)

@@ -99,7 +99,9 @@ class Settings:
     kafka_config: Mapping[str, Any] = field(default_factory=dict)
     #: etcd endpoints, ``[http(s)://]host:port[,...]`` (http when no scheme is given, as etcdctl reads them).
     etcd_endpoints: str = field(default="http://127.0.0.1:2379", metadata={"parse": _joined})
+    #: etcd user name, when etcd has authentication enabled.
     etcd_user: str | None = None
+    #: Its password (never printed: the settings' repr hides it).
     etcd_password: str | None = None
     #: CA certificate file for an etcd behind TLS.
     etcd_ca_cert: str | None = None

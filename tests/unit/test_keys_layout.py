@@ -1,4 +1,5 @@
-"""The key names: one builder, documented once, and the README's table is that documentation."""
+"""The key names: one builder, documented once, and the docs' Keys table (scheduled tasks page) is that
+documentation."""
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ import pytest
 
 from celery_delayed.keys import LAYOUT, Keys
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "scheduled-tasks.md"
 
 #: Each documented pattern, built by Keys with placeholders for its variable parts.
 K = Keys("<prefix>")
@@ -47,9 +48,9 @@ def test_the_layout_documents_every_key_keys_builds():
 
 
 def test_the_readme_key_table_is_the_layout():
-    rows = re.findall(r"^\| `([^`]+)` \| (\S+) \| (.+) \|$", README.read_text(), re.MULTILINE)
+    rows = re.findall(r"^\| `([^`]+)` \| (\S+) \| (.+) \|$", PAGE.read_text(), re.MULTILINE)
     documented = [row for row in rows if row[0].startswith(("<prefix>", "/<prefix>"))]
-    assert documented == [tuple(row) for row in LAYOUT], "regenerate the README's key table from keys.LAYOUT"
+    assert documented == [tuple(row) for row in LAYOUT], "regenerate the docs' key table from keys.LAYOUT"
 
 
 def test_a_task_ids_records_share_one_cluster_slot_whatever_braces_the_id_holds():

@@ -115,13 +115,13 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
         console.print(_task_table(names, now_ms))
 
 
-def _task_names(ctx: click.Context, store: DelayedStore) -> list[dict]:
+def _task_names(ctx: click.Context, store: DelayedStore, elsewhere: tuple[str, ...] = ()) -> list[dict]:
     """:func:`.browse.by_task` against the tasks the app registers once its modules are imported (as a
-    worker's are at start), with progress."""
+    worker's are at start) and those ``elsewhere`` (run by other services), with progress."""
     app = ctx.obj.app
     app.loader.import_default_modules()
     with _progress("reading the schedule") as progress, _store_errors():
-        return browse.by_task(store, app.tasks, progress)
+        return browse.by_task(store, set(app.tasks) | set(elsewhere), progress)
 
 
 def _task_table(names: list[dict], now_ms: int) -> Table:
@@ -319,8 +319,10 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
 @delayed.command(cls=CeleryCommand)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: [{task, count, next_due_ms, "
               "registered}].")
+@click.option("--ignore", metavar="NAME", multiple=True, help="A task name another service's workers run, not "
+              "this app's (taken as registered; repeatable).")
 @click.pass_context
-def check(ctx: click.Context, as_json: bool) -> None:
+def check(ctx: click.Context, as_json: bool, ignore: tuple[str, ...]) -> None:
     """Before a deploy: fail (exit 1) when scheduled tasks name a task this app does not register.
 
     A task renamed or removed in the new code would reach the workers under its
@@ -329,7 +331,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
     the whole schedule, in batches, with progress.
     """
     store = _load(ctx)[1]
-    names = _task_names(ctx, store)
+    names = _task_names(ctx, store, ignore)
     if as_json:
         click.echo(json.dumps(names))
     else:
@@ -338,8 +340,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
         raise click.ClickException(f"{len(unknown)} scheduled task name(s) this app does not register: "
                                    + ", ".join(f"{row['task']} ({row['count']:,} scheduled, next due "
                                                f"{iso_of(row['next_due_ms'])})" for row in unknown)
-                                   + "; register them again (an alias task of the old name), or cancel them "
-                                   "(delayed cancel --task NAME)")
+                                   + "; register them again (an alias task of the old name) or cancel them "
+                                   "(delayed cancel --task NAME); a name another service's workers run: --ignore NAME")
 
 
 @delayed.command(name="drain", cls=CeleryCommand)

@@ -49,6 +49,24 @@ class DelayedPublishError(ValueError):
     """A delayed task could not be stored as given; nothing was written."""
 
 
+def header_ms(headers: dict, name: str) -> int | None:
+    """A time header (``eta``/``expires``) in ms since the epoch.
+
+    Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
+    conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
+    say, an aware one is taken as it is.  The zone only names the same instant
+    differently, so it is not looked up (a settings lookup costs more than the parse).
+    """
+    value = headers.get(name) if isinstance(headers, dict) else None
+    if not value:
+        return None
+    try:
+        when = maybe_make_aware(maybe_iso8601(value))
+    except (TypeError, ValueError) as exc:
+        raise DelayedPublishError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
+    return int(when.timestamp() * 1000)
+
+
 class DelayedAMQP(AMQP):
     """Celery's AMQP helper, with ETA messages diverted to the delayed store."""
 
@@ -92,24 +110,7 @@ class DelayedAMQP(AMQP):
 
     def due_ms(self, headers: dict) -> int | None:
         """The message's ETA in ms since the epoch, read as a stock worker reads it."""
-        return self.header_ms(headers, "eta")
-
-    def header_ms(self, headers: dict, name: str) -> int | None:
-        """A time header (``eta``/``expires``) in ms since the epoch.
-
-        Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
-        conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
-        say, an aware one is taken as it is.  The zone only names the same instant
-        differently, so it is not looked up (a settings lookup costs more than the parse).
-        """
-        value = headers.get(name) if isinstance(headers, dict) else None
-        if not value:
-            return None
-        try:
-            when = maybe_make_aware(maybe_iso8601(value))
-        except (TypeError, ValueError) as exc:
-            raise DelayedPublishError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
-        return int(when.timestamp() * 1000)
+        return header_ms(headers, "eta")
 
     def _queue_name(self, options: dict[str, Any]) -> str:
         """The Celery queue a message is routed to: that queue's Kafka topic carries it."""
@@ -194,7 +195,7 @@ class _StoreProducer:
             exchange=exchange if isinstance(exchange, str) else getattr(exchange, "name", "") or "",
             routing_key=routing_key or "")
         stored = self._amqp.stored_form(envelope)
-        expires_ms = self._amqp.header_ms(headers, "expires")
+        expires_ms = header_ms(headers, "expires")
         self.expired = expires_ms is not None and expires_ms <= self._due_ms
         if not self.expired:
             self._write(envelope, stored, properties.get("retry"), properties.get("retry_policy") or {})

@@ -11,13 +11,18 @@ task while it is drained would send it through Kafka as well.
 """
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from . import browse
+from .client import header_ms
 from .envelope import Envelope, EnvelopeError
 from .leadership import make_etcd
 from .once import KEY_HEADER
+
+#: Ids of unreadable stored messages a drain names (it counts them all).
+NAMED = 20
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -46,25 +51,33 @@ def return_lapsed_claims(store: DelayedStore) -> tuple[int, int]:
     return returned, sum(row["inflight"] for row in store.counts())
 
 
-def publish_args(app: Celery, envelope: Envelope, due_ms: int) -> dict[str, Any]:
-    """What ``Producer.publish`` takes to send ``envelope`` as Celery would have, due at ``due_ms``:
-    its body untouched, its headers with ``eta``, routed to its queue (declared, as Celery declares it)."""
-    queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)  # as Celery makes it
+def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int) -> dict[str, Any]:
+    """What ``Producer.publish`` takes to send ``envelope`` as Celery would have, due at ``due_ms``: its
+    body untouched, its headers with ``eta``; its queue declared (the app's definition, or as Celery makes a
+    missing one) and the message sent to it by name through the default exchange, as Celery sends to a direct
+    queue, so it lands in that queue whatever bindings the broker has; Celery's delivery mode, and its
+    ``expiration`` from ``expires`` (seconds left at ``now_ms``, at least 0)."""
+    queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)
     eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
-    return {"body": envelope.body, "exchange": envelope.exchange or queue.exchange.name,
-            "routing_key": envelope.routing_key or queue.routing_key or envelope.queue,
+    args = {"body": envelope.body, "exchange": "", "routing_key": envelope.queue,
             "headers": {**envelope.headers, "eta": eta}, "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "declare": [queue], "retry": True,
+            "delivery_mode": getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode,
             **envelope.properties}
+    if (expires_ms := header_ms(envelope.headers, "expires")) is not None:
+        args["expiration"] = max(0.0, (expires_ms - now_ms) / 1000)
+    return args
 
 
 def to_broker(app: Celery, flt: browse.Filter, progress: browse.Progress | None = None) -> dict[str, int]:
     """Publish every scheduled task ``flt`` selects to ``app``'s broker with its ETA, then remove it
     from the store; returns how many were ``sent``, how many had ``moved on`` meanwhile (a poller
     claimed or someone removed them between the read and the removal: sent all the same) and how many
-    were ``left`` because their stored message is not one of a task (see ``delayed show``)."""
+    were ``left`` because their stored message is not one of a task (their ids in ``unreadable``, up to
+    :data:`NAMED`: see ``delayed show``, then cancel them)."""
     store: DelayedStore = app.amqp.delayed_store
-    totals = {"sent": 0, "moved on": 0, "left": 0}
+    totals: dict[str, Any] = {"sent": 0, "moved on": 0, "left": 0}
+    unreadable: list[str] = []
     with app.producer_pool.acquire(block=True) as producer:
         def act(matches: list[dict]) -> None:
             for item in matches:
@@ -76,8 +89,9 @@ def to_broker(app: Celery, flt: browse.Filter, progress: browse.Progress | None 
                     envelope = Envelope.decode(stored)
                 except EnvelopeError:
                     totals["left"] += 1
+                    unreadable.append(task_id)
                     continue
-                producer.publish(**publish_args(app, envelope, item["due_ms"]))
+                producer.publish(**publish_args(app, envelope, item["due_ms"], int(time.time() * 1000)))
                 removed = store.cancel_many([task_id])[task_id]  # only after the broker has it
                 totals["sent" if isinstance(removed, bytes) else "moved on"] += 1
                 if isinstance(removed, bytes) and (key := envelope.headers.get(KEY_HEADER)):
@@ -85,5 +99,5 @@ def to_broker(app: Celery, flt: browse.Filter, progress: browse.Progress | None 
 
         for _ in browse.walk(store, flt, progress, act):
             pass
-    return totals
+    return {**totals, **({"unreadable": ", ".join(unreadable[:NAMED])} if unreadable else {})}
 

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .envelope import Envelope
+from .envelope import Envelope, EnvelopeError
 from .layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ Position = tuple[int | None, bytes]
 
 #: Most tasks one :meth:`DelayedStore.upcoming` page may hold.
 MAX_PAGE = 10_000
+#: The task name shown for a stored message that cannot be decoded (see ``delayed show``; cancel it).
+UNREADABLE = "(unreadable message)"
 #: Most buckets one histogram script call counts (about 2 ms of Redis' time).
 HISTOGRAM_BUCKETS = 1_080
 
@@ -57,17 +59,22 @@ class Inspection:
         if stored is None:
             return None
         data = _envelope_of(stored)
-        envelope = Envelope.decode(data)
+        try:
+            envelope = Envelope.decode(data)
+        except EnvelopeError as exc:  # shown as such (the reason in ``error``), for an operator to cancel
+            envelope, error = None, str(exc)
         due = None
         if deadline is None:
             due = self._call_redis(self.redis.zscore, self.keys.bucket(p, _BUCKET.unpack_from(stored)[0]), member)
         due_ms = int(due) if due is not None else None
-        return {"task_id": task_id, "task": envelope.task_name, "queue": envelope.queue, "partition": p,
+        headers = envelope.headers if envelope else {}
+        return {"task_id": task_id, "task": envelope.task_name if envelope else UNREADABLE,
+                "queue": envelope.queue if envelope else None, "partition": p,
                 "state": "inflight" if deadline is not None else "scheduled",
                 "due_ms": due_ms, "eta": iso_of(due_ms),
                 "inflight_deadline_ms": int(deadline) if deadline is not None else None,
-                "expires": envelope.headers.get("expires"), "stored_bytes": len(data),
-                "headers": envelope.headers}
+                "expires": headers.get("expires"), "stored_bytes": len(data), "headers": headers,
+                **({} if envelope else {"error": error})}
 
     def message(self, task_id: str) -> bytes | None:
         """The stored envelope of a task (scheduled or in flight), or None."""
@@ -142,7 +149,8 @@ class Inspection:
     def describe(self, entries: list[tuple[int, bytes, int]]) -> list[dict]:
         """What an operator sees of each entry still stored: ``task_id``, ``due_ms``, ``eta``,
         ``partition``, ``task``, ``queue``, and Celery's ``argsrepr``, ``kwargsrepr`` and ``retries``
-        headers (one pipelined read; a task dispatched meanwhile is left out)."""
+        headers (one pipelined read; a task dispatched meanwhile is left out).  An entry whose message
+        cannot be decoded has ``task`` :data:`UNREADABLE` and the reason in ``argsrepr``."""
         by_partition: dict[int, list[bytes]] = {}
         for _, member, p in entries:
             by_partition.setdefault(p, []).append(member)
@@ -155,10 +163,15 @@ class Inspection:
         for due_ms, member, p in entries:
             stored = found[p, member]
             if stored is not None:
-                envelope = Envelope.decode(_envelope_of(stored))
+                item = {"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p}
+                try:
+                    envelope = Envelope.decode(_envelope_of(stored))
+                except EnvelopeError as exc:  # shown for what it is, never a failed page or bulk action
+                    items.append({**item, "task": UNREADABLE, "queue": None, "argsrepr": str(exc),
+                                  "kwargsrepr": None, "retries": 0})
+                    continue
                 headers = envelope.headers
-                items.append({"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p,
-                              "task": envelope.task_name, "queue": envelope.queue,
+                items.append({**item, "task": envelope.task_name, "queue": envelope.queue,
                               "argsrepr": headers.get("argsrepr"), "kwargsrepr": headers.get("kwargsrepr"),
                               "retries": headers.get("retries") or 0})
         return items

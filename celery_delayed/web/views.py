@@ -90,7 +90,10 @@ class Views:
                 self.app.loader.import_default_modules()  # the app's tasks, as a worker registers them
                 return {"as_of_ms": self.store.now_ms(), "tasks": browse.by_task(self.store, self.app.tasks)}
             self._names = Refreshing(count, NAMES_EVERY)
-        return self._names.get(wait=False)
+        try:
+            return self._names.get(wait=False)
+        except Exception as exc:  # the app's task modules fail to import here, say: the rest of the page shows
+            return {"as_of_ms": self.store.now_ms(), "tasks": [], "error": f"{exc!r}"}
 
     def _histogram(self, now_ms: int, bin_ms: int, bins: int) -> dict[str, Any]:
         start = now_ms - now_ms % bin_ms

@@ -9,6 +9,8 @@ import sys
 
 from celery_delayed import store_of
 from celery_delayed.dlq import DeadLetters
+from celery_delayed.inspection import UNREADABLE
+from celery_delayed.layout import member_of
 from tasks import create_app
 
 from .support import ROOT, environment, wait_for
@@ -39,9 +41,24 @@ def test_check_fails_naming_each_scheduled_task_name_the_app_does_not_register(o
     shown = delayed(overrides, "status", "--tasks").stdout
     assert [line for line in shown.splitlines() if GONE in line and "NO" in line], shown
 
+    ignored = delayed(overrides, "check", "--ignore", GONE)  # another service's workers run it
+    assert ignored.returncode == 0, ignored.stdout + ignored.stderr
+
     store_of(app).cancel_many([result.id for result in gone])
     passed = delayed(overrides, "check")
     assert passed.returncode == 0, passed.stdout + passed.stderr
+
+
+def test_check_names_a_stored_message_it_cannot_read_rather_than_failing_on_it(overrides):
+    app = create_app(**overrides)
+    store = store_of(app)
+    broken = app.tasks["tasks.demo.add"].apply_async((1, 2), countdown=3600).id
+    p, member = store.partition(broken), member_of(broken)
+    store.redis.hset(store.keys.msgs(p), member, store.redis.hget(store.keys.msgs(p), member)[:4] + b"garbage")
+    failed = delayed(overrides, "check")
+    assert failed.returncode == 1 and f"{UNREADABLE} (1 scheduled" in failed.stderr, failed.stdout + failed.stderr
+    shown = delayed(overrides, "show", broken)
+    assert shown.returncode == 0 and UNREADABLE in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_task_the_worker_does_not_register_is_parked_with_that_reason(overrides, processes):

@@ -12,10 +12,13 @@ import uuid
 from datetime import datetime, timezone
 
 import redis
+from kombu import Exchange, Queue
 
 from bench import compare_app
 from celery_delayed import apply_many, store_of
 from celery_delayed.drain import running_pollers
+from celery_delayed.inspection import UNREADABLE
+from celery_delayed.layout import member_of
 
 from .support import ROOT, environment, wait_for
 
@@ -127,9 +130,37 @@ def test_a_drain_is_refused_while_a_poller_runs_and_killed_at_any_point_loses_no
     assert drained["body"] == reference["body"]
     assert (drained["content-type"], drained["content-encoding"]) == (reference["content-type"],
                                                                       reference["content-encoding"])
-    # per message (delivery_*) or per sending app (reply_to: the app's oid, which Celery leaves unused when
-    # there is no result to wait for)
-    per_sender = ("delivery_tag", "delivery_info", "reply_to")
+    # per message (delivery_tag), per sending app (reply_to: the app's oid, which Celery leaves unused when
+    # there is no result to wait for) or per queue (delivery_info: the reference went to another one)
+    per_sender = ("delivery_tag", "reply_to", "delivery_info")
     properties = {k: v for k, v in drained["properties"].items() if k not in per_sender}
     assert properties == {k: v for k, v in reference["properties"].items() if k not in per_sender}
+    assert drained["properties"]["delivery_info"] == {"exchange": "", "routing_key": queue}  # as Celery sends it:
+    assert reference["properties"]["delivery_info"] == {"exchange": "", "routing_key": f"{queue}-ref"}
     broker.delete(queue, f"{queue}-ref")
+
+
+def test_a_task_sent_to_a_queue_object_lands_in_its_queue_and_an_unreadable_message_is_left_and_named(overrides):
+    """A task sent with ``queue=Queue(..., Exchange(topic))`` reaches its queue on a broker that has no
+    binding for that exchange (as on a fresh broker), with Celery's ``expiration``; a stored message that
+    cannot be decoded stops nothing: it is left in the store, and the drain names it."""
+    app = compare_app.create_app("celery-delayed", **overrides)
+    store, run = store_of(app), uuid.uuid4().hex
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    queue = f"{overrides['task_default_queue']}-topic"
+    topic = Queue(queue, Exchange(f"{queue}-x", type="topic"), routing_key="campaign.mail")
+    due_ms = int((time.time() + 3600) * 1000)
+    sent = app.signature("compare.noop", args=(run, due_ms)).apply_async(
+        queue=topic, eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc), expires=7200)
+    broken = schedule(app, run, [time.time() + 3600])[0]
+    p, member = store.partition(broken), member_of(broken)
+    stored = store.redis.hget(store.keys.msgs(p), member)
+    store.redis.hset(store.keys.msgs(p), member, stored[:4] + b"garbage")  # its bucket start kept
+
+    out = drain(overrides).communicate(timeout=120)[0]
+    assert "sent 1," in out and "left 1" in out and broken in out, out
+    messages = broker_messages(broker, queue)
+    assert [m["headers"]["id"] for m in messages] == [sent.id], "the task did not reach its queue"
+    assert 7100 * 1000 < int(messages[0]["properties"]["expiration"]) <= 7200 * 1000
+    assert store.get(broken)["task"] == UNREADABLE and store.get(sent.id) is None
+    broker.delete(queue)

@@ -142,8 +142,7 @@ def test_the_overview_counts_tasks_per_name_and_flags_the_names_the_app_does_not
     _schedule(app, now)  # app.mail and app.page: names the demo app does not register
     store_of(app).schedule_many(envelopes(4, "web", now + 2 * MINUTE, prefix="add", task="tasks.demo.add"))
     client = Client(server.url)
-    assert client.json("/api/overview")[1]["task_names"] is None  # the first count starts in the background
-    assert "(counting...)" in client.request("/")[1]
+    client.json("/api/overview")  # starts the count, in the background (None until it ends)
     names = wait_for(lambda: client.json("/api/overview")[1]["task_names"], 30, "the count per task name")
     assert [(row["task"], row["count"], row["registered"]) for row in names["tasks"]] == [
         ("app.mail", 120, False), ("app.page", 60, False), ("tasks.demo.add", 4, True)]
@@ -151,6 +150,22 @@ def test_the_overview_counts_tasks_per_name_and_flags_the_names_the_app_does_not
     page = client.request("/")[1]
     flagged = page[page.index('id="task-names"'):].split("</table>")[0]
     assert flagged.count("NO: dead-lettered when due") == 2 and 'href="/upcoming?task=app.mail"' in flagged
+
+
+def test_the_overview_answers_when_the_task_names_cannot_be_counted(app):
+    """The app's task modules fail to import where the web view runs (a dependency only the workers
+    have): the overview says so in place of the table, and the rest of the page shows."""
+    app.conf.imports = ("tasks.no_such_module_for_the_web_test",)
+    srv = Server(app)
+    try:
+        client = Client(srv.url)
+        client.json("/api/overview")  # starts the count
+        names = wait_for(lambda: client.json("/api/overview")[1]["task_names"], 30, "the count to end")
+        assert "No module named 'tasks.no_such_module_for_the_web_test'" in names["error"]
+        status, page = client.request("/")
+        assert status == 200 and 'id="task-names-error"' in page and 'id="scheduled">' in page
+    finally:
+        srv.stop()
 
 
 def test_upcoming_pages_through_every_partition_in_due_order(app, server):

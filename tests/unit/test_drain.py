@@ -1,27 +1,40 @@
 from celery import Celery
+from kombu import Exchange, Queue
 
 from celery_delayed.drain import publish_args
 from celery_delayed.envelope import Envelope
 
+DUE_MS = 1_796_000_000_123
 
-def envelope(queue: str, **kw) -> Envelope:
-    return Envelope(task_id="abc", queue=queue, headers={"task": "t.add", "id": "abc", "retries": 2},
+
+def envelope(queue: str, headers: dict | None = None, **kw) -> Envelope:
+    return Envelope(task_id="abc", queue=queue, headers={"task": "t.add", "id": "abc", "retries": 2, **(headers or {})},
                     body=b"[[1], {}, {}]",
                     content_type="application/json", content_encoding="utf-8",
                     properties={"correlation_id": "abc", "reply_to": "r"}, **kw)
 
 
-def test_a_drained_message_is_the_stored_one_with_its_due_time_as_eta_routed_to_its_queue():
+def test_a_drained_message_is_the_stored_one_with_its_due_time_as_eta_sent_to_its_queue_by_name():
     app = Celery("drain-unit", set_as_current=False)
-    args = publish_args(app, envelope("reports"), 1_796_000_000_123)
+    args = publish_args(app, envelope("reports"), DUE_MS, DUE_MS - 60_000)
     assert args["headers"] == {"task": "t.add", "id": "abc", "retries": 2, "eta": "2026-11-30T00:53:20.123000+00:00"}
     assert args["body"] == b"[[1], {}, {}]"
-    assert (args["exchange"], args["routing_key"], [q.name for q in args["declare"]]) == ("reports", "reports",
-                                                                                          ["reports"])
-    assert (args["correlation_id"], args["reply_to"]) == ("abc", "r")
+    # as Celery sends to a direct queue: the default exchange, the queue's name as routing key
+    assert (args["exchange"], args["routing_key"], [q.name for q in args["declare"]]) == ("", "reports", ["reports"])
+    assert (args["correlation_id"], args["reply_to"], args["delivery_mode"]) == ("abc", "r", 2)  # persistent
+    assert "expiration" not in args
 
 
-def test_a_drained_message_keeps_the_exchange_and_routing_key_it_was_sent_with():
+def test_a_task_sent_through_another_exchange_goes_straight_to_its_queue_with_the_apps_definition_declared():
     app = Celery("drain-unit", set_as_current=False)
-    args = publish_args(app, envelope("celery", exchange="ex", routing_key="rk"), 0)
-    assert (args["exchange"], args["routing_key"]) == ("ex", "rk")
+    topic = Queue("bulk", Exchange("campaigns", type="topic", delivery_mode=1), routing_key="bulk.#")
+    app.conf.task_queues = [topic]
+    args = publish_args(app, envelope("bulk", exchange="campaigns", routing_key="bulk.mail"), DUE_MS, 0)
+    assert (args["exchange"], args["routing_key"], args["declare"], args["delivery_mode"]) == ("", "bulk", [topic], 1)
+
+
+def test_expires_becomes_the_messages_expiration_in_seconds_left_at_the_drain_as_celery_sets_it():
+    app = Celery("drain-unit", set_as_current=False)
+    stored = envelope("reports", headers={"expires": "2026-11-30T01:00:00+00:00"})  # due 00:53:20.123
+    assert publish_args(app, stored, DUE_MS, 1_796_000_000_000 + 3_000)["expiration"] == 400 - 3
+    assert publish_args(app, stored, DUE_MS, 1_796_000_000_000 + 700_000)["expiration"] == 0

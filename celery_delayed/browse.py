@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Callable, Container, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .inspection import Page, cursor_after, parse_cursor
 from .layout import due_ms_of, member_of
@@ -137,12 +137,16 @@ def count(store: DelayedStore, flt: Filter, progress: Progress | None = None) ->
     return sum(len(batch) for batch in walk(store, flt, progress))
 
 
-def by_task(store: DelayedStore, registered: Container[str], progress: Progress | None = None) -> list[dict]:
-    """Per task name scheduled: how many (``count``), the earliest one's due time (``next_due_ms``) and
-    whether ``registered`` has the name (a task the app no longer knows would be dead-lettered when due);
-    the unregistered names first.  A walk of the whole schedule (bounded batches)."""
+def by_task(app: Celery, elsewhere: Iterable[str] = (), progress: Progress | None = None) -> list[dict]:
+    """Per task name scheduled in ``app``'s store: how many (``count``), the earliest one's due time
+    (``next_due_ms``) and whether it is ``registered``: by the app once its modules are imported (as a
+    worker's are at start), or named in ``elsewhere`` (tasks other services' workers run).  A task the
+    workers do not know would be dead-lettered when due; those names come first.  A walk of the whole
+    schedule (bounded batches)."""
+    app.loader.import_default_modules()
+    registered = set(app.tasks) | set(elsewhere)
     names: dict[str, dict] = {}
-    for batch in walk(store, Filter(), progress):
+    for batch in walk(app.amqp.delayed_store, Filter(), progress):
         for item in batch:
             seen = names.setdefault(item["task"], {"task": item["task"], "count": 0, "next_due_ms": item["due_ms"],
                                                    "registered": item["task"] in registered})

@@ -99,7 +99,7 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     store = _load(ctx)[1]
     with _store_errors():
         counts, now_ms = store.counts(), store.now_ms()
-    names = _task_names(ctx, store) if by_task else None
+    names = _task_names(ctx) if by_task else None
     if as_json:
         click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
         return
@@ -115,13 +115,10 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
         console.print(_task_table(names, now_ms))
 
 
-def _task_names(ctx: click.Context, store: DelayedStore, elsewhere: tuple[str, ...] = ()) -> list[dict]:
-    """:func:`.browse.by_task` against the tasks the app registers once its modules are imported (as a
-    worker's are at start) and those ``elsewhere`` (run by other services), with progress."""
-    app = ctx.obj.app
-    app.loader.import_default_modules()
+def _task_names(ctx: click.Context, elsewhere: tuple[str, ...] = ()) -> list[dict]:
+    """:func:`.browse.by_task` of the app, with progress."""
     with _progress("reading the schedule") as progress, _store_errors():
-        return browse.by_task(store, set(app.tasks) | set(elsewhere), progress)
+        return browse.by_task(ctx.obj.app, elsewhere, progress)
 
 
 def _task_table(names: list[dict], now_ms: int) -> Table:
@@ -331,7 +328,7 @@ def check(ctx: click.Context, as_json: bool, ignore: tuple[str, ...]) -> None:
     the whole schedule, in batches, with progress.
     """
     store = _load(ctx)[1]
-    names = _task_names(ctx, store, ignore)
+    names = _task_names(ctx, ignore)
     if as_json:
         click.echo(json.dumps(names))
     else:

@@ -86,10 +86,8 @@ class Views:
         """Scheduled tasks per task name, the names the app does not register flagged (a deploy renamed
         or removed them); counted in the background every NAMES_EVERY seconds, shown with its age."""
         if self._names is None:
-            def count() -> dict[str, Any]:
-                self.app.loader.import_default_modules()  # the app's tasks, as a worker registers them
-                return {"as_of_ms": self.store.now_ms(), "tasks": browse.by_task(self.store, self.app.tasks)}
-            self._names = Refreshing(count, NAMES_EVERY)
+            self._names = Refreshing(lambda: {"as_of_ms": self.store.now_ms(), "tasks": browse.by_task(self.app)},
+                                     NAMES_EVERY)
         try:
             return self._names.get(wait=False)
         except Exception as exc:  # the app's task modules fail to import here, say: the rest of the page shows

@@ -139,6 +139,7 @@ class KafkaFeed:
             "enable.partition.eof": False,
             "queued.max.messages.kbytes": 16384,  # bound what librdkafka prefetches
         })
+        self._incremental = incremental(config)
         self._consumer = Consumer(config)
         self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
                                  on_assign=self._on_assign, on_revoke=self._on_revoke)
@@ -325,15 +326,27 @@ class KafkaFeed:
         except Exception as exc:  # e.g. during a rebalance: the next commit covers it
             logger.debug("offset commit failed: %s", exc)
 
+    # Each rebalance callback applies its change itself: left to confluent-kafka, the change is made
+    # after asking librdkafka for the rebalance protocol while holding the GIL, and that answer can
+    # wait forever when the consumer closes as the group coordinator stalls (KIP-848) -- every thread
+    # of the worker frozen, its warm shutdown hung for good.
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         logger.info("assigned Kafka partitions %s", _names(partitions))
         self.offsets.assign([(tp.topic, tp.partition) for tp in partitions])
+        if self._incremental:
+            consumer.incremental_assign(partitions)
+        else:
+            consumer.assign(partitions)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         logger.info("Kafka partitions %s revoked", _names(partitions))
         keys = [(tp.topic, tp.partition) for tp in partitions]
         self._paused.difference_update(keys)
         self._commit(self.offsets.revoke(keys))
+        if self._incremental:
+            consumer.incremental_unassign(partitions)
+        else:
+            consumer.unassign()
 
     # -- event loop ------------------------------------------------------------
     def _hand_over(self, arrivals: list[Arrival]) -> None:
@@ -398,6 +411,14 @@ class KafkaFeed:
         except Exception as again:
             logger.warning("could not dead-letter a record that cannot be handed to Celery: %r", again)
             return False
+
+
+def incremental(config: dict[str, Any]) -> bool:
+    """Whether a consumer of this configuration rebalances incrementally (its callbacks add and remove
+    the partitions named) rather than eagerly (the whole assignment replaced): always on the
+    ``consumer`` group protocol, and on ``classic`` with a cooperative assignor."""
+    return (config.get("group.protocol") == "consumer"
+            or "cooperative" in str(config.get("partition.assignment.strategy", "")))
 
 
 def _names(partitions: list[TopicPartition]) -> list[str]:

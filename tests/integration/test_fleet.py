@@ -13,9 +13,16 @@ from datetime import datetime, timezone
 
 import pytest
 import redis
+from confluent_kafka import Consumer
+from confluent_kafka.admin import AdminClient, NewTopic
 
+from celery_delayed.consumer import KafkaFeed, incremental
+from celery_delayed.kafka import consumer_config
+from celery_delayed.offsets import OffsetTracker
+from celery_delayed.settings import Settings
 from tasks import create_app
 
+from .conftest import SERVERS
 from .support import wait_for
 from .test_worker import due_in
 
@@ -242,3 +249,44 @@ def test_a_worker_killed_and_replaced_stalls_only_its_own_partitions(overrides, 
     on_time = sum(lag <= 1000 for lag in lags)
     print(f"\nkill -9 and a replacement: {on_time} of {len(lags)} due after its join ran on time; lags {lags}")
     assert on_time >= len(lags) // 4, "the survivor's partitions stalled too"
+
+
+@pytest.mark.parametrize("protocol, assignor", [("consumer", None), ("classic", None),
+                                                ("classic", "cooperative-sticky")])
+def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, protocol, assignor):
+    """A warm stop froze a worker for good, 1 in 5 times with Kafka stalling: a change of assignment
+    its callbacks leave undone, confluent-kafka applies after asking librdkafka for the rebalance
+    protocol, holding the GIL; during the close, with the coordinator stalled, that answer never came
+    (py-spy: Consumer_rebalance_cb > rd_kafka_rebalance_protocol > rd_kafka_op_req), and no other
+    thread of the worker ran again.  The feed's callbacks now apply each change themselves, so that
+    call is never made: seen here from inside the callbacks, on a real consumer of each kind."""
+    topic = f"rebalance-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient(services.kafka())
+    admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(timeout=30)
+    extra = {"group.id": topic, "enable.auto.commit": False}
+    if assignor:
+        extra["partition.assignment.strategy"] = assignor
+    config = consumer_config(Settings.from_mapping({**SERVERS, "group_protocol": protocol}), **extra)
+    feed = object.__new__(KafkaFeed)  # its rebalance bookkeeping alone
+    feed.offsets, feed._paused, feed._incremental = OffsetTracker(), set(), incremental(config)
+    seen: dict[str, list] = {}
+
+    def on_assign(consumer, partitions):
+        feed._on_assign(consumer, partitions)
+        seen["assigned"] = [tp.partition for tp in consumer.assignment()]
+
+    def on_revoke(consumer, partitions):
+        feed._on_revoke(consumer, partitions)
+        seen["left after revoke"] = [tp.partition for tp in consumer.assignment()]
+
+    consumer = feed._consumer = Consumer(config)
+    try:
+        consumer.subscribe([topic], on_assign=on_assign, on_revoke=on_revoke)
+        deadline = time.monotonic() + 60
+        while "assigned" not in seen and time.monotonic() < deadline:
+            consumer.poll(0.2)
+    finally:
+        consumer.close()
+        admin.delete_topics([topic])
+    assert sorted(seen["assigned"]) == [0, 1, 2], seen
+    assert seen["left after revoke"] == [], seen

@@ -32,6 +32,8 @@ ETCD_LEADER_DOWN_S = 4.0
 STARVE_S = 10.0
 #: Longest a worker's warm shutdown may take in a deploy or a scale-in before its group is killed (s).
 WARM_STOP_S = 60.0
+#: Seconds the Kafka broker is stopped in each cycle of a stalled deploy (then 1 s running).
+BROKER_STALL_S = 0.4
 #: How long a scaled-out fleet runs before it is scaled in again (s).
 SCALED_S = 10.0
 #: Longest wait (s) for a killed cluster primary's replica to take over (cluster-node-timeout + election).
@@ -144,20 +146,43 @@ def _start_worker(cluster: Cluster) -> subprocess.Popen:
     return worker
 
 
-def _warm_stop(cluster: Cluster, worker: subprocess.Popen) -> str:
-    """A warm shutdown (SIGTERM to the main process), as a deploy or a scale-in does; said when it was not."""
+def _warm_stop(cluster: Cluster, worker: subprocess.Popen) -> bool:
+    """A warm shutdown (SIGTERM to the main process), as a deploy or a scale-in does; False when it
+    took longer than :data:`WARM_STOP_S` and the worker was killed."""
     status = cluster.procs.warm_stop(worker, timeout=WARM_STOP_S)
     cluster.workers.remove(worker)
-    return "" if status == 0 else f" (worker {worker.pid} did not stop warm: exit {status})"
+    return status == 0
+
+
+def _all_warm(note: str, unwarm: list[int]) -> str:
+    """The fault's note, or a failure naming the workers whose warm shutdown hung (the run goes on:
+    they were killed, as an orchestrator would; what they held must still run once)."""
+    if unwarm:
+        raise RuntimeError(f"{note}; workers {unwarm} did not stop warm within {WARM_STOP_S:.0f} s (killed)")
+    return note
 
 
 def rolling_deploy(cluster: Cluster) -> str:
     """Every worker in turn: a warm shutdown, then a new worker started and waited for."""
-    notes = []
+    notes, unwarm = [], []
     for old in [w for w in cluster.workers if w.poll() is None]:
-        unwarm = _warm_stop(cluster, old)
-        notes.append(f"{old.pid} -> {_start_worker(cluster).pid}{unwarm}")
-    return "rolling deploy: " + ", ".join(notes)
+        if not _warm_stop(cluster, old):
+            unwarm.append(old.pid)
+        notes.append(f"{old.pid} -> {_start_worker(cluster).pid}")
+    return _all_warm("rolling deploy: " + ", ".join(notes), unwarm)
+
+
+def stalled_deploy(cluster: Cluster) -> str:
+    """A rolling deploy while the Kafka broker is starved of CPU (SIGSTOP :data:`BROKER_STALL_S`, then
+    SIGCONT for 1 s, over and over): the workers leave and join a group whose coordinator answers late
+    (a warm stop froze a worker for good in confluent-kafka's rebalance fallback this way)."""
+    pid = int((cluster.services_dir / "run" / "kafka.pid").read_text())
+    starver = Starver(pid, stop_s=BROKER_STALL_S, run_s=1.0, limit_s=10 * WARM_STOP_S)
+    try:
+        note = rolling_deploy(cluster)
+    finally:
+        starver.close()
+    return f"{note}; Kafka broker {pid} stalled {starver.cycles} times"
 
 
 def scale(cluster: Cluster) -> str:
@@ -165,8 +190,8 @@ def scale(cluster: Cluster) -> str:
     old = [w for w in cluster.workers if w.poll() is None]
     new = [_start_worker(cluster).pid for _ in old]
     time.sleep(SCALED_S)
-    unwarm = "".join(_warm_stop(cluster, w) for w in old)
-    return f"scaled out by {new}, then in without {[w.pid for w in old]}{unwarm}"
+    unwarm = [w.pid for w in old if not _warm_stop(cluster, w)]
+    return _all_warm(f"scaled out by {new}, then in without {[w.pid for w in old]}", unwarm)
 
 
 def _children(pid: int) -> list[int]:
@@ -406,6 +431,7 @@ FAULTS: dict[str, Callable[[Cluster], str]] = {
     "redis-restart": redis_restart, "kafka-restart": kafka_restart, "etcd-restart": etcd_restart,
     "kafka-outage": kafka_outage, "etcd-wipe": etcd_wipe, "etcd-leader-kill": etcd_leader_kill,
     "redis-failover": redis_failover, "rolling-deploy": rolling_deploy, "scale": scale,
+    "stalled-deploy": stalled_deploy,
     "partition-poller-etcd": partition_poller_etcd, "partition-poller-redis": partition_poller_redis,
     "partition-worker-redis": partition_worker_redis, "partition-worker-kafka": partition_worker_kafka,
     "lossy-kafka": lossy_kafka,
@@ -421,8 +447,9 @@ QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-k
 #: Faults run after all others (the rest are measured first): a wipe starts etcd over (a new fencing epoch).
 LAST = ["etcd-wipe"]
 
-#: The servers (scripts/services names, each with its pid file) a fault stops and starts again.
+#: The servers (scripts/services names, each with its pid file) a fault stops, stalls or restarts.
 SERVERS = {"redis-kill9": ["redis"], "redis-restart": ["redis"], "kafka-restart": ["kafka"],
+           "stalled-deploy": ["kafka"],
            "kafka-outage": ["kafka"], "etcd-restart": [f"{ETCD}-{m}" for m in (1, 2, 3)],
            "etcd-wipe": [f"{ETCD}-{m}" for m in (1, 2, 3)], "etcd-leader-kill": [f"{ETCD}-{m}" for m in (1, 2, 3)],
            "redis-failover": [f"redis-cluster-{n}" for n in range(1, CLUSTER_NODES + 1)]}

@@ -41,4 +41,5 @@ def test_quick_chaos_profile_loses_nothing_and_duplicates_no_side_effect(tmp_pat
     failed = {name for name, ok in result["checks"].items() if not ok}
     assert not failed, (result["checks"], result["effects"], result["dlq"], result["store_left"])
     assert all(row["injected"] for name, row in faults.items() if name != "(no fault)"), faults
+    assert not [f for f in result["injected"] if f["note"].startswith("FAILED")], result["injected"]
     assert proc.returncode == 0, output[-2000:]

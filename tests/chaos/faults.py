@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import redis
 
 from celery_delayed.settings import Settings
-from tests.integration.support import ROOT, Processes, Starver, etcd3_leader, kill9, leaders, wait_for
+from tests.integration.support import (ROOT, Processes, Starver, etcd3_leader, kill9, leaders, server_pid,
+                                       wait_for)
 
 from .network import Host, Hosts
 
@@ -176,7 +177,7 @@ def stalled_deploy(cluster: Cluster) -> str:
     """A rolling deploy while the Kafka broker is starved of CPU (SIGSTOP :data:`BROKER_STALL_S`, then
     SIGCONT for 1 s, over and over): the workers leave and join a group whose coordinator answers late
     (a warm stop froze a worker for good in confluent-kafka's rebalance fallback this way)."""
-    pid = int((cluster.services_dir / "run" / "kafka.pid").read_text())
+    pid = server_pid("kafka")
     starver = Starver(pid, stop_s=BROKER_STALL_S, run_s=1.0, limit_s=10 * WARM_STOP_S)
     try:
         note = rolling_deploy(cluster)

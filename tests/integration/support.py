@@ -30,7 +30,7 @@ from tasks.processes import ROOT, Processes, environment, wait_for
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "Starver",
            "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
-           "etcd3_status", "kill9", "leaders", "run_briefly", "wait_for"]
+           "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
 
@@ -98,10 +98,15 @@ def cut_redis_connections(client, pid: int) -> int:
     return closed
 
 
+def server_pid(name: str) -> int:
+    """The pid of the server ``name`` that scripts/services started (its pid file)."""
+    return int((SERVICES_DIR / "run" / f"{name}.pid").read_text())
+
+
 def kill9(name: str) -> int:
     """``kill -9`` of the server ``name`` that scripts/services started (its pid file); waits until
     it is gone and returns its pid.  Start it again with ``scripts/services up NAME``."""
-    pid = int((SERVICES_DIR / "run" / f"{name}.pid").read_text())
+    pid = server_pid(name)
     os.kill(pid, signal.SIGKILL)
     while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
         time.sleep(0.05)

@@ -254,7 +254,7 @@ def test_a_worker_killed_and_replaced_stalls_only_its_own_partitions(overrides, 
 @pytest.mark.parametrize("protocol, assignor", [("consumer", None), ("classic", None),
                                                 ("classic", "cooperative-sticky")])
 def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, protocol, assignor):
-    """A warm stop froze a worker for good, 1 in 5 times with Kafka stalling: a change of assignment
+    """A warm stop froze a worker for good (4 of 29 rolling restarts with Kafka stalling): a change of assignment
     its callbacks leave undone, confluent-kafka applies after asking librdkafka for the rebalance
     protocol, holding the GIL; during the close, with the coordinator stalled, that answer never came
     (py-spy: Consumer_rebalance_cb > rd_kafka_rebalance_protocol > rd_kafka_op_req), and no other

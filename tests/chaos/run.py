@@ -26,7 +26,7 @@ from celery_delayed.outcomes import STORE_ERRORS
 from celery_delayed.sandbox import remove_everything
 from tasks import create_app
 from tasks.chaos import ledger as ledger_of
-from tests.integration.support import ETCD3_ENDPOINTS, ROOT, Processes
+from tests.integration.support import ETCD3_ENDPOINTS, ROOT, SERVICES_DIR, Processes
 
 from . import check, faults, ledger, load, network, report
 from .network import Hosts
@@ -180,8 +180,7 @@ class Run:
         self.folder, self.console = folder, console
         self.deadline = time.monotonic() + profile.deadline_s
         self.topic = self.settings.topic(app.conf.task_default_queue)
-        services = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
-        self.cluster = faults.Cluster(self.settings, Processes(folder / "logs", overrides), services,
+        self.cluster = faults.Cluster(self.settings, Processes(folder / "logs", overrides), SERVICES_DIR,
                                       rng=random.Random(seed + 1), hosts=hosts)
         self.plan = faults.schedule(self.rng, names, profile.times, profile.faults_from_s, profile.faults_until_s)
         self.injected: list[faults.Injected] = []

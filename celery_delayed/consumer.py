@@ -52,6 +52,9 @@ MAX_POLL_GAP = 60.0
 MAX_UNCOMMITTED = 10_000
 #: Seconds between two tries of an admission that failed (the store or result backend down).
 ADMISSION_RETRY = 1.0
+#: Longest a stopping feed polls for the revoke of its partitions after unsubscribing, before it
+#: closes its consumer anyway (the revoke takes ~0.1 s).
+LEAVE_TIMEOUT = 10.0
 #: Seconds a worker reads no partition of its queues' topics before it says so (once, until it reads one).
 IDLE_WARNING = 15.0
 
@@ -207,9 +210,28 @@ class KafkaFeed:
             self._drop_ready()
             self.claims.flush()  # before leaving: a copy the new owner reads must not find a claim given up
             self._commit(self.offsets.committable())
-            consumer.close()  # leaves the group: its partitions go to the other members now
+            self._leave(consumer)
             self._wakeup.close()
             _feeds.discard(self)
+
+    def _leave(self, consumer: Consumer) -> None:
+        """Leave the consumer group (its partitions go to the other members now), then close.
+
+        The partitions are revoked in an ordinary poll after unsubscribing, never
+        inside ``close()``: the (un)assign call a revoke callback makes waits on
+        librdkafka's group thread while holding the GIL, and inside a close that
+        answer can fail to come -- every thread of the worker then frozen, its warm
+        shutdown hung for good.  Records polled meanwhile are dropped (uncommitted:
+        the new owners read them).
+        """
+        consumer.unsubscribe()
+        deadline = time.monotonic() + LEAVE_TIMEOUT
+        while self.offsets.assigned() and time.monotonic() < deadline:
+            consumer.poll(0.1)
+        if self.offsets.assigned():
+            logger.warning("Kafka partitions %s not revoked %.0f s after unsubscribing; closing anyway",
+                           sorted(self.offsets.assigned()), LEAVE_TIMEOUT)
+        consumer.close()
 
     def _warn_if_idle(self, consumer: Consumer) -> None:
         """Say once when this worker has read no partition for :data:`IDLE_WARNING` s: more workers

@@ -98,6 +98,10 @@ class OffsetTracker:
             for key in keys:
                 self._partitions[key] = PartitionOffsets()
 
+    def assigned(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self._partitions)
+
     def revoke(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Forget partitions; returns their committable offsets."""
         with self._lock:

@@ -251,15 +251,24 @@ def test_a_worker_killed_and_replaced_stalls_only_its_own_partitions(overrides, 
     assert on_time >= len(lags) // 4, "the survivor's partitions stalled too"
 
 
-@pytest.mark.parametrize("protocol, assignor", [("consumer", None), ("classic", None),
-                                                ("classic", "cooperative-sticky")])
-def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, protocol, assignor):
-    """A warm stop froze a worker for good (4 of 29 rolling restarts with Kafka stalling): a change of assignment
-    its callbacks leave undone, confluent-kafka applies after asking librdkafka for the rebalance
-    protocol, holding the GIL; during the close, with the coordinator stalled, that answer never came
-    (py-spy: Consumer_rebalance_cb > rd_kafka_rebalance_protocol > rd_kafka_op_req), and no other
-    thread of the worker ran again.  The feed's callbacks now apply each change themselves, so that
-    call is never made: seen here from inside the callbacks, on a real consumer of each kind."""
+PROTOCOLS = pytest.mark.parametrize("protocol, assignor", [("consumer", None), ("classic", None),
+                                                           ("classic", "cooperative-sticky")])
+
+
+class _ClosingConsumer(Consumer):
+    """A consumer that knows when it is inside ``close()``."""
+
+    closing = False
+
+    def close(self) -> None:
+        self.closing = True
+        super().close()
+
+
+def _rebalance_feed(services, protocol: str, assignor: str | None, seen: dict[str, list]):
+    """A real consumer of a fresh 3-partition topic, subscribed with a feed's rebalance callbacks
+    (its rebalance bookkeeping alone), polled until assigned; ``seen`` records from inside the
+    callbacks the assignment after each change and whether the consumer was closing."""
     topic = f"rebalance-{uuid.uuid4().hex[:8]}"
     admin = AdminClient(services.kafka())
     admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(timeout=30)
@@ -267,9 +276,8 @@ def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, pr
     if assignor:
         extra["partition.assignment.strategy"] = assignor
     config = consumer_config(Settings.from_mapping({**SERVERS, "group_protocol": protocol}), **extra)
-    feed = object.__new__(KafkaFeed)  # its rebalance bookkeeping alone
+    feed = object.__new__(KafkaFeed)
     feed.offsets, feed._paused, feed._incremental = OffsetTracker(), set(), incremental(config)
-    seen: dict[str, list] = {}
 
     def on_assign(consumer, partitions):
         feed._on_assign(consumer, partitions)
@@ -278,15 +286,45 @@ def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, pr
     def on_revoke(consumer, partitions):
         feed._on_revoke(consumer, partitions)
         seen["left after revoke"] = [tp.partition for tp in consumer.assignment()]
+        seen["revoked while closing"] = [consumer.closing]
 
-    consumer = feed._consumer = Consumer(config)
+    consumer = feed._consumer = _ClosingConsumer(config)
+    consumer.subscribe([topic], on_assign=on_assign, on_revoke=on_revoke)
+    deadline = time.monotonic() + 60
+    while "assigned" not in seen and time.monotonic() < deadline:
+        consumer.poll(0.2)
+    return feed, consumer, lambda: admin.delete_topics([topic])
+
+
+@PROTOCOLS
+def test_the_feeds_rebalance_callbacks_apply_each_change_themselves(services, protocol, assignor):
+    """A warm stop froze a worker for good (4 of 29 rolling restarts with Kafka stalling): a change of assignment
+    its callbacks leave undone, confluent-kafka applies after asking librdkafka for the rebalance
+    protocol, holding the GIL; during the close, with the coordinator stalled, that answer never came
+    (py-spy: Consumer_rebalance_cb > rd_kafka_rebalance_protocol > rd_kafka_op_req), and no other
+    thread of the worker ran again.  The feed's callbacks now apply each change themselves, so that
+    call is never made: seen here from inside the callbacks, on a real consumer of each kind."""
+    seen: dict[str, list] = {}
+    feed, consumer, delete_topic = _rebalance_feed(services, protocol, assignor, seen)
     try:
-        consumer.subscribe([topic], on_assign=on_assign, on_revoke=on_revoke)
-        deadline = time.monotonic() + 60
-        while "assigned" not in seen and time.monotonic() < deadline:
-            consumer.poll(0.2)
-    finally:
         consumer.close()
-        admin.delete_topics([topic])
+    finally:
+        delete_topic()
     assert sorted(seen["assigned"]) == [0, 1, 2], seen
     assert seen["left after revoke"] == [], seen
+
+
+@PROTOCOLS
+def test_a_stopping_feed_gives_its_partitions_up_before_its_consumer_closes(services, protocol, assignor):
+    """The callbacks' own (un)assign call waits on librdkafka's group thread holding the GIL too, and
+    inside ``close()`` it can wait for good as well: a warm stop in CI froze the same way after the fix
+    above, with no Kafka stall at all.  A stopping feed unsubscribes and polls until its partitions
+    are revoked, so the close has nothing left to call back."""
+    seen: dict[str, list] = {}
+    feed, consumer, delete_topic = _rebalance_feed(services, protocol, assignor, seen)
+    try:
+        feed._leave(consumer)
+    finally:
+        delete_topic()
+    assert sorted(seen["assigned"]) == [0, 1, 2], seen
+    assert seen["left after revoke"] == [] and seen["revoked while closing"] == [False], seen

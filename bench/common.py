@@ -19,9 +19,9 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from celery_delayed.leadership import make_etcd
-from celery_delayed.redis_client import connect
+from celery_delayed.poller.leadership import make_etcd
 from celery_delayed.settings import Settings
+from celery_delayed.store.redis_client import connect
 from tasks.processes import ROOT
 
 RESULTS = ROOT / "bench" / "results"

@@ -39,10 +39,10 @@ from rich.table import Table
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import ensure_topics
-from celery_delayed.layout import partition_of
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.layout import partition_of
 from tasks.processes import Processes
 
 from .common import (RESULTS, CpuMeter, PingProbe, RedisMeter, cpu_hog, exclusive,

@@ -129,7 +129,7 @@ def reason(log: str) -> str:
     return re.sub(r"^\[[^]]*\] ", "", (bad or lines or ["(empty log)"])[-1])[:400]
 
 
-#: A worker's log line saying which Kafka partitions it was given or lost (celery_delayed.consumer).
+#: A worker's log line saying which Kafka partitions it was given or lost (celery_delayed.worker.consumer).
 _PARTITIONS = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/MainProcess\] "
                          r"(?:assigned Kafka partitions (\[.*\])|Kafka partitions (\[.*\]) revoked)")
 

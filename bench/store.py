@@ -36,7 +36,7 @@ from rich.table import Table
 from celery_delayed.envelope import Envelope, deflate
 from celery_delayed.sandbox import unlink_prefix
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
 
 from .common import RESULTS, exclusive, new_overrides
 from .dispatch import capture_template, envelope_bytes, git_state

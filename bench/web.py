@@ -38,10 +38,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetter, DeadLetters
 from celery_delayed.envelope import Envelope
-from celery_delayed.layout import member_of
 from celery_delayed.sandbox import remove_everything
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from celery_delayed.store.layout import member_of
 from tasks import create_app
 from tasks.processes import Processes, free_port, wait_for
 

@@ -12,18 +12,19 @@ from celery.app.amqp import AMQP
 from celery.app.control import Control
 from celery.utils.imports import symbol_by_name
 
-from . import metrics
-from .bulk import ApplyManyError, apply_many
-from .client import DelayedAMQP, DelayedPublishError
-from .consumer import KafkaConsumerStep
-from .dlq import DeadLetter, DeadLetters
-from .envelope import Envelope, EnvelopeError
-from .failures import park_failures
-from .once import remember_finished
-from .outcomes import LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight, TaskNotScheduled
-from .revoke import DelayedControl
-from .settings import ConfigurationError, Settings
-from .store import DelayedStore
+from celery_delayed import metrics
+from celery_delayed.client.bulk import ApplyManyError, apply_many
+from celery_delayed.client.intercept import DelayedAMQP, DelayedPublishError
+from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.settings import ConfigurationError, Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from celery_delayed.store.outcomes import (LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight,
+    TaskNotScheduled)
+from celery_delayed.store.revoke import DelayedControl
+from celery_delayed.worker.consumer import KafkaConsumerStep
+from celery_delayed.worker.failures import park_failures
+from celery_delayed.worker.once import remember_finished
 
 __version__ = "0.1.0"
 

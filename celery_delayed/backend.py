@@ -14,7 +14,7 @@ from __future__ import annotations
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from kombu.utils.objects import cached_property
 
-from .scripts import Scripts
+from celery_delayed.store.scripts import Scripts
 
 
 class RedisBackend(CeleryRedisBackend):

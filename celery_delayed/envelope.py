@@ -248,3 +248,35 @@ def serialize(body: Any, serializer: str | None, compression: str | None,
     if compression:
         data, headers["compression"] = compress(data, compression)
     return data, content_type, content_encoding
+
+
+# -- headers of celery-delayed's own, and the attempt a message is -------------------------------
+#: The header naming a task's replace-by-key key: at most one task per key is scheduled.
+KEY_HEADER = "delayed_key"
+#: ``"replace"`` (the default: a new task replaces the scheduled one) or ``"keep"`` (the scheduled one
+#: stays, the new one is dropped).
+KEY_MODE_HEADER = "delayed_key_mode"
+KEY_MODES = ("replace", "keep")
+
+
+def executing(request: Any, task_id: str) -> bool:
+    """Whether ``request`` (a task's ``self.request``) is ``task_id`` running in a worker's pool:
+    not a direct call or an eager one (``apply``), nor the worker's main process recording the
+    failure of a task it lost or timed out (Celery pushes that request as a direct call's)."""
+    return bool(request is not None and request.id == task_id and not request.called_directly
+                and not request.is_eager)
+
+
+#: Attempts a task id may retry within one replacement level (see :func:`attempt_of`).
+NESTING_STEP = 1_000_000
+
+
+def attempt_of(headers: dict) -> int:
+    """The attempt number of a message, ordered by (``replaced_task_nesting``, ``retries``): a task
+    that ``Task.replace``-s itself keeps its id and starts ``retries`` over at 0, one nesting level
+    deeper, so its replacement comes after every attempt of the task it replaced (0 for a header
+    absent or odd)."""
+    fields = (headers.get(name) if isinstance(headers, dict) else None for name in ("replaced_task_nesting", "retries"))
+    nesting, retries = (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+                        for value in fields)
+    return nesting * NESTING_STEP + min(retries, NESTING_STEP - 1)

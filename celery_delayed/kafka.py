@@ -9,7 +9,7 @@ from typing import Any, Iterable
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition, libversion
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic, ResourceType
 
-from .settings import Settings
+from celery_delayed.settings import Settings
 
 logger = logging.getLogger(__name__)
 

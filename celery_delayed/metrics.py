@@ -124,7 +124,7 @@ class StoreCollector(Collector):
 
     @staticmethod
     def _families(store) -> Iterator[GaugeMetricFamily]:
-        from .dlq import DeadLetters
+        from celery_delayed.store.dlq import DeadLetters
 
         scheduled = GaugeMetricFamily("celery_delayed_scheduled", "Tasks waiting in the store", labels=["partition"])
         inflight = GaugeMetricFamily("celery_delayed_inflight", "Tasks claimed, awaiting Kafka's confirmation",
@@ -148,7 +148,7 @@ class StoreCollector(Collector):
         yield from (scheduled, inflight, overdue, overdue_age, dead, dead_age)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
-        from .kafka import fleet
+        from celery_delayed.kafka import fleet
 
         state = fleet(self.app.amqp.delayed_settings)
         lag = GaugeMetricFamily("celery_delayed_consumer_lag", "Records on a queue's topic the workers have not "

@@ -17,12 +17,12 @@ from celery import Celery
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
-from . import install, store_of
-from .keys import Keys
-from .leadership import make_etcd
-from .poller import Poller
-from .redis_client import connect
-from .settings import Settings
+from celery_delayed import install, store_of
+from celery_delayed.poller.leadership import make_etcd
+from celery_delayed.poller.loop import Poller
+from celery_delayed.settings import Settings
+from celery_delayed.store.keys import Keys
+from celery_delayed.store.redis_client import connect
 
 #: Longest wait for a test's poller to hand its last batch to Kafka and resign (s).
 STOP_TIMEOUT = 30.0

@@ -26,8 +26,8 @@ from typing import Iterator
 import pytest
 from celery import Celery
 
-from .poller import Poller
-from .sandbox import installed, poller_of, running
+from celery_delayed.poller.loop import Poller
+from celery_delayed.sandbox import installed, poller_of, running
 
 __all__ = ["delayed_app", "delayed_poller", "delayed_worker"]
 

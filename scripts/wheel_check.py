@@ -47,8 +47,9 @@ def _named(package: str, suffix: str) -> list[str]:
 
 def _data_files() -> dict[str, list[str]]:
     found = {package: _named(package, suffix)
-             for package, suffix in (("celery_delayed.lua", ".lua"), ("celery_delayed.web.templates", ".html"),
-                                     ("celery_delayed.web.static", ".css"))}
+             for package, suffix in (("celery_delayed.store.lua", ".lua"),
+                                     ("celery_delayed.ops.web.templates", ".html"),
+                                     ("celery_delayed.ops.web.static", ".css"))}
     empty = [package for package, names in found.items() if not names]
     if empty:
         raise SystemExit(f"the wheel has no data files in {empty}")

@@ -11,7 +11,7 @@ import redis
 from celery import current_app, shared_task
 
 from celery_delayed import store_of
-from celery_delayed.once import FROM_KAFKA
+from celery_delayed.worker.once import FROM_KAFKA
 
 
 def _redis() -> redis.Redis | redis.RedisCluster:

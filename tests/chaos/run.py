@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.common import high_watermark, make_consumer, new_overrides, topic_partitions, versions
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.kafka import consumer_lag, ensure_topics
-from celery_delayed.outcomes import STORE_ERRORS
 from celery_delayed.sandbox import remove_everything
+from celery_delayed.store.dlq import DeadLetters
+from celery_delayed.store.outcomes import STORE_ERRORS
 from tasks import create_app
 from tasks.chaos import ledger as ledger_of
 from tests.integration.support import ETCD3_ENDPOINTS, ROOT, SERVICES_DIR, Processes

@@ -18,7 +18,7 @@ import pytest
 import redis
 from confluent_kafka.admin import AdminClient
 
-from celery_delayed.leadership import make_etcd
+from celery_delayed.poller.leadership import make_etcd
 from celery_delayed.settings import Settings
 
 from config import celeryconfig

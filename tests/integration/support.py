@@ -21,10 +21,10 @@ from confluent_kafka import Consumer
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import ensure_topics
-from celery_delayed.keys import Keys
-from celery_delayed.leadership import make_etcd
-from celery_delayed.poller import Poller
+from celery_delayed.poller.leadership import make_etcd
+from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
+from celery_delayed.store.keys import Keys
 from tasks.processes import ROOT, Processes, environment, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.

@@ -1,4 +1,4 @@
-"""Finding scheduled tasks by filter, and bulk cancel / reschedule of every match (celery_delayed.browse).
+"""Finding scheduled tasks by filter, and bulk cancel / reschedule of every match (celery_delayed.ops.browse).
 
 Batches end in the middle of runs of tasks due at the same time, and matches and
 others are interleaved, so a walk that skipped or re-read entries after removing
@@ -12,8 +12,9 @@ import uuid
 import pytest
 from celery import states
 
-from celery_delayed import browse, store_of
-from celery_delayed.browse import Filter
+from celery_delayed import store_of
+from celery_delayed.ops import browse
+from celery_delayed.ops.browse import Filter
 from tasks import create_app
 
 from .support import envelopes

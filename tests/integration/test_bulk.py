@@ -13,7 +13,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_delayed import ApplyManyError, DelayedPublishError, StoreUnavailable, apply_many, bulk, store_of
+from celery_delayed import ApplyManyError, DelayedPublishError, StoreUnavailable, apply_many, store_of
+from celery_delayed.client import batch, bulk
 from celery_delayed.envelope import Envelope
 from tasks import create_app
 
@@ -108,7 +109,7 @@ class SentEvents(threading.Thread):
 
 def test_bulk_scheduled_tasks_run_once_and_are_seen_sent(overrides, processes, monkeypatch):
     monkeypatch.setattr(bulk, "CHUNK", 7)  # several chunks, the last one short
-    monkeypatch.setattr(bulk, "EVENTS_PER_MESSAGE", 3)
+    monkeypatch.setattr(batch, "EVENTS_PER_MESSAGE", 3)
     app = create_app(**overrides)
     work = app.tasks["tasks.demo.work"]
     run = uuid.uuid4().hex

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
 
 from .support import ROOT, envelopes, environment
 

@@ -13,10 +13,10 @@ import pytest
 import redis
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetter, DeadLetters
-from celery_delayed.outcomes import StoreNotDurable
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from celery_delayed.store.outcomes import StoreNotDurable
 from tasks import create_app
 
 from .support import envelopes, wait_for

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetters
-from celery_delayed.inspection import UNREADABLE
-from celery_delayed.layout import member_of
+from celery_delayed.store.dlq import DeadLetters
+from celery_delayed.store.inspection import UNREADABLE
+from celery_delayed.store.layout import member_of
 from tasks import create_app
 
 from .support import ROOT, environment, wait_for

@@ -9,13 +9,13 @@ import uuid
 
 import pytest
 
-from celery_delayed import dlq as dlq_module
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetter, DeadLetterError, DeadLetters
 from celery_delayed.envelope import Envelope
-from celery_delayed.once import remember_revoked
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store import dlq as dlq_module
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetterError, DeadLetters
+from celery_delayed.store.records import remember_revoked
 from tasks import create_app
 
 from .support import ROOT, envelopes, environment, wait_for

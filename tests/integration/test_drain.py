@@ -16,9 +16,9 @@ from kombu import Exchange, Queue
 
 from bench import compare_app
 from celery_delayed import apply_many, store_of
-from celery_delayed.drain import running_pollers
-from celery_delayed.inspection import UNREADABLE
-from celery_delayed.layout import member_of
+from celery_delayed.ops.drain import running_pollers
+from celery_delayed.store.inspection import UNREADABLE
+from celery_delayed.store.layout import member_of
 
 from .support import ROOT, environment, wait_for
 

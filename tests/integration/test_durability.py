@@ -10,13 +10,13 @@ from typing import Iterator
 import pytest
 import redis
 
-from celery_delayed.dlq import DeadLetter, DeadLetters
-from celery_delayed.durability import preflight, worker_preflight
-from celery_delayed.outcomes import StoreNotDurable
-from celery_delayed.poller import Poller
+from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import ConfigurationError
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from celery_delayed.store.durability import preflight, worker_preflight
+from celery_delayed.store.outcomes import StoreNotDurable
 
 from .support import envelopes, run_briefly
 from .test_poller import now_ms
@@ -57,7 +57,7 @@ def test_a_redis_that_refuses_config_get_is_logged_as_unchecked(overrides, caplo
                       commands=["+@all", "-config"])
     try:
         limited = Settings.from_conf(overrides, redis_url=settings.redis_url.replace("//", f"//{user}:{password}@"))
-        with caplog.at_level(logging.WARNING, logger="celery_delayed.durability"):
+        with caplog.at_level(logging.WARNING, logger="celery_delayed.store.durability"):
             preflight(DelayedStore(limited), "worker")
     finally:
         admin.acl_deluser(user)

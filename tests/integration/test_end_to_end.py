@@ -10,7 +10,7 @@ from confluent_kafka import Consumer
 
 from celery_delayed import store_of
 from celery_delayed.envelope import Envelope
-from celery_delayed.layout import BUCKET_SECONDS, member_of
+from celery_delayed.store.layout import BUCKET_SECONDS, member_of
 from tasks import create_app
 
 from .support import wait_for

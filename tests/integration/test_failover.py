@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from celery_delayed import StoreUnavailable, store_of
-from celery_delayed.dlq import DeadLetters
+from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 from tasks.chaos import ledger
 from tests.chaos.faults import redis_failover

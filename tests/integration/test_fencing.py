@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from celery_delayed.leadership import EPOCH_SCALE, Leadership, make_etcd
+from celery_delayed.poller.leadership import EPOCH_SCALE, Leadership, make_etcd
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
 
 from .support import ETCD3_ENDPOINTS, TopicReader, envelopes, leaders, wait_for
 from .test_poller import leading_one_partition, now_ms

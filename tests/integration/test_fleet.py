@@ -16,10 +16,10 @@ import redis
 from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from celery_delayed.consumer import KafkaFeed, incremental
 from celery_delayed.kafka import consumer_config
-from celery_delayed.offsets import OffsetTracker
 from celery_delayed.settings import Settings
+from celery_delayed.worker.consumer import KafkaFeed, incremental
+from celery_delayed.worker.offsets import OffsetTracker
 from tasks import create_app
 
 from .conftest import SERVERS

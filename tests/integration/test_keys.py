@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from celery import Celery, states
 
-from celery_delayed import DelayedPublishError, client, store_of
-from celery_delayed.once import KEY_HEADER, KEY_MODE_HEADER
+from celery_delayed import DelayedPublishError, store_of
+from celery_delayed.client import intercept as client
+from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER
 from tasks import create_app
 
 from .support import wait_for

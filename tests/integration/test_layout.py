@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from celery_delayed.durability import preflight
-from celery_delayed.poller import Poller
+from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore, LayoutMismatch
+from celery_delayed.store.delayed import DelayedStore, LayoutMismatch
+from celery_delayed.store.durability import preflight
 
 from .support import envelopes, run_briefly
 from .test_cli import celery
@@ -51,7 +51,7 @@ def test_cli_with_another_partition_count_prints_one_line(overrides):
 
 def test_poller_on_a_prefix_nothing_was_scheduled_under_says_so(overrides, caplog):
     store = DelayedStore(Settings.from_conf(overrides))
-    with caplog.at_level(logging.WARNING, logger="celery_delayed.durability"):
+    with caplog.at_level(logging.WARNING, logger="celery_delayed.store.durability"):
         preflight(store, "poller")
         preflight(DelayedStore(store.settings), "poller")  # the layout exists now: no second warning
     assert [r.getMessage() for r in caplog.records if "nothing was ever scheduled" in r.getMessage()] == [

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetters
+from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 from tests.chaos.network import Hosts, available
 

@@ -10,12 +10,12 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope
-from celery_delayed.leadership import Leadership, make_etcd
-from celery_delayed.poller import Poller
+from celery_delayed.poller.leadership import Leadership, make_etcd
+from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
 from .support import TopicReader, envelopes, leaders, wait_for

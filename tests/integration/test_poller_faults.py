@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from celery_delayed.dlq import DeadLetters
 from celery_delayed.kafka import make_producer
-from celery_delayed.poller import Poller
+from celery_delayed.poller.loop import Poller
 from celery_delayed.sandbox import running
 from celery_delayed.settings import Settings
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetters
 
 from .support import TopicReader, envelopes, wait_for
 from .test_poller import now_ms, small_topic, too_big

@@ -13,8 +13,8 @@ import redis
 from celery import states
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetters
-from celery_delayed.keys import Keys
+from celery_delayed.store.dlq import DeadLetters
+from celery_delayed.store.keys import Keys
 from tasks import create_app
 
 from .support import Starver, cut_redis_connections, wait_for

@@ -7,10 +7,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 from celery_delayed.settings import Settings
-from celery_delayed.inspection import MAX_PAGE
-from celery_delayed.store import DelayedStore
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.inspection import MAX_PAGE
+from celery_delayed.store.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for
 

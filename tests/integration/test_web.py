@@ -23,9 +23,9 @@ import tornado.netutil
 from celery import states
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetter, DeadLetters
-from celery_delayed.web.server import make_app
-from celery_delayed.web.views import Views
+from celery_delayed.ops.web.server import make_app
+from celery_delayed.ops.web.views import Views
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
 from tasks import create_app
 from tasks.processes import free_port, wait_for
 

@@ -16,9 +16,9 @@ from celery.result import AsyncResult
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed import store_of
-from celery_delayed.dlq import DeadLetters
 from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import DUE_HEADER
+from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
 from .support import cut_redis_connections, wait_for

@@ -1,9 +1,9 @@
-"""What operators type for times, shifts and filters (celery_delayed.browse)."""
+"""What operators type for times, shifts and filters (celery_delayed.ops.browse)."""
 from datetime import datetime, timezone
 
 import pytest
 
-from celery_delayed.browse import Filter, parse_move, parse_seconds, parse_when
+from celery_delayed.ops.browse import Filter, parse_move, parse_seconds, parse_when
 
 NOW = 1_800_000_000_000
 JAN_15 = int(datetime(2027, 1, 15, 8, tzinfo=timezone.utc).timestamp() * 1000)

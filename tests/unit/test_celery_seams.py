@@ -7,7 +7,7 @@ from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
 from celery.worker.request import Request
 
-from celery_delayed.client import DelayedAMQP
+from celery_delayed.client.intercept import DelayedAMQP
 from tasks import create_app
 
 
@@ -35,7 +35,7 @@ def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_t
     of the requests it drops and removing every dropped one from ``requests``."""
     from celery.worker.request import create_request_cls
 
-    from celery_delayed.intake import _DROPS_ARE_FORGOTTEN
+    from celery_delayed.worker.intake import _DROPS_ARE_FORGOTTEN
 
     assert Request._apply_result is None
     assert "self._apply_result = " in inspect.getsource(Request.execute_using_pool)
@@ -68,7 +68,7 @@ def test_a_failure_after_the_body_carries_a_traceback_through_a_step_failures_py
     from celery import Celery, signals
     from celery.app.trace import build_tracer
 
-    from celery_delayed.failures import after_body
+    from celery_delayed.worker.failures import after_body
 
     app = Celery("seams", backend="cache+memory://", set_as_current=False)
     seen: list[bool] = []

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from celery_delayed.cli import _age, _shorten
-from celery_delayed.dlq import PREVIEW_BYTES, DeadLetter, DeadLetterError
 from celery_delayed.envelope import Envelope
+from celery_delayed.ops.cli import _age, _shorten
+from celery_delayed.store.dlq import PREVIEW_BYTES, DeadLetter, DeadLetterError
 
 
 def letter(**kw) -> DeadLetter:

@@ -3,7 +3,7 @@ import pickle
 import pytest
 
 from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, queue_of
-from celery_delayed.layout import partition_of
+from celery_delayed.store.layout import partition_of
 
 
 def make(body=b'[[2, 2], {}, {}]', **kw):

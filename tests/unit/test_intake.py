@@ -1,4 +1,4 @@
-"""The worker's hand-over of Kafka records to Celery (celery_delayed.intake, KafkaFeed._drain):
+"""The worker's hand-over of Kafka records to Celery (celery_delayed.worker.intake, KafkaFeed._drain):
 the parts that are pure logic."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from celery_delayed.consumer import UNEXPECTED_TRIES, KafkaFeed
-from celery_delayed.intake import Arrival, _record_headers, hold_until
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
-from celery_delayed.layout import MAX_DUE_MS
+from celery_delayed.store.layout import MAX_DUE_MS
+from celery_delayed.worker.consumer import UNEXPECTED_TRIES, KafkaFeed
+from celery_delayed.worker.intake import Arrival, _record_headers, hold_until
 
 REDIS_NOW = 1_800_000_000_000
 
@@ -126,7 +126,7 @@ def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_thos
 
     from celery.worker import state as worker_state
 
-    from celery_delayed.intake import Intake
+    from celery_delayed.worker.intake import Intake
 
     pool_cache: dict = {}  # the flush dropped both prefork jobs from it
     jobs = {"unwritten": _Job(_write_to=None, _accepted=False, _cache=pool_cache, _job=1),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_delayed.keys import LAYOUT, Keys
+from celery_delayed.store.keys import LAYOUT, Keys
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "scheduled-tasks.md"
 

@@ -1,6 +1,6 @@
 import pytest
 
-from celery_delayed.offsets import OffsetTracker, PartitionOffsets
+from celery_delayed.worker.offsets import OffsetTracker, PartitionOffsets
 
 
 def test_commit_stops_at_first_unsettled_offset():

@@ -1,5 +1,5 @@
-"""Attempt numbers (celery_delayed.once): pure logic."""
-from celery_delayed.once import attempt_of
+"""Attempt numbers (celery_delayed.worker.once): pure logic."""
+from celery_delayed.envelope import attempt_of
 
 
 def test_a_replacement_is_a_later_attempt_than_every_attempt_of_the_task_it_replaced():

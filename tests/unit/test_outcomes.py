@@ -1,9 +1,9 @@
-"""Store writes tried again while the store is away (celery_delayed.outcomes.write_retrying)."""
+"""Store writes tried again while the store is away (celery_delayed.store.outcomes.write_retrying)."""
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from celery_delayed.outcomes import write_retrying
+from celery_delayed.store.outcomes import write_retrying
 
 
 def _writes(*outcomes):

@@ -76,11 +76,11 @@ HELD_UNTIL_PARKED = PRELUDE + """
 from types import SimpleNamespace
 from celery.worker.request import Request
 from kombu.utils.json import dumps
-from celery_delayed import failures
 from celery_delayed.envelope import Envelope
-from celery_delayed.intake import Arrival, Intake
-from celery_delayed.offsets import OffsetTracker
-from celery_delayed.once import Admit, Verdict
+from celery_delayed.worker import failures
+from celery_delayed.worker.intake import Arrival, Intake
+from celery_delayed.worker.offsets import OffsetTracker
+from celery_delayed.worker.once import Admit, Verdict
 task, later, requests = app.tasks["tasks.demo.add"], [], []
 
 def strategy(message, body, on_ack, on_reject, callbacks):
@@ -145,8 +145,8 @@ def test_a_park_with_no_thread_to_be_had_is_tried_once_and_holds_no_record(monke
     id no longer says it is being parked, or its record would be held back for good."""
     from types import SimpleNamespace
 
-    from celery_delayed import failures
-    from celery_delayed.dlq import DeadLetter
+    from celery_delayed.store.dlq import DeadLetter
+    from celery_delayed.worker import failures
 
     def refuse(self):
         raise RuntimeError("can't start new thread")

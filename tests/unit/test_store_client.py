@@ -10,11 +10,11 @@ from kombu.message import Message
 from redis.crc import key_slot
 
 import celery_delayed
-from celery_delayed.client import DelayedPublishError
-from celery_delayed.keys import Keys
-from celery_delayed.layout import due_ms_of, member_of, task_id_of
-from celery_delayed.inspection import cursor_after, parse_cursor
-from celery_delayed.store import _checked_due_ms
+from celery_delayed.client.intercept import DelayedPublishError
+from celery_delayed.store.delayed import _checked_due_ms
+from celery_delayed.store.inspection import cursor_after, parse_cursor
+from celery_delayed.store.keys import Keys
+from celery_delayed.store.layout import due_ms_of, member_of, task_id_of
 
 
 def test_due_times_naive_is_utc():

@@ -11,7 +11,7 @@ from celery import Celery
 from kombu.serialization import dumps
 
 from celery_delayed.envelope import (COMPACT, DEFLATED, ZDICT_V1, Envelope, EnvelopeError, decode_meta, deflate,
-                                     serialize)
+    serialize)
 
 TASK_ID = "0b6c7f9e-2a51-4c8e-9a57-3f0e8f0c2d11"
 

@@ -5,7 +5,7 @@ import time
 
 from kombu.asynchronous import Hub
 
-from celery_delayed.wakeup import Wakeup
+from celery_delayed.worker.wakeup import Wakeup
 
 
 def test_a_wake_up_from_another_thread_runs_on_the_loop_at_once():

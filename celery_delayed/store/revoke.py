@@ -24,9 +24,9 @@ from celery.app.task import Context
 from celery.utils.functional import maybe_list
 from kombu.serialization import prepare_accept_content
 
-from .envelope import Envelope, EnvelopeError
-from .once import remember_revoked
-from .outcomes import Change
+from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.store.outcomes import Change
+from celery_delayed.store.records import remember_revoked
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ Ids are stored as their 16 bytes when they are canonical UUIDs (Celery's
 default), saving ~40 B more per task (:func:`.layout.member_of`).
 
 Every change touching more than one key is a Lua script from ``lua/``.  The
-store's reads are in :mod:`.inspection`; the waits of ``delayed_schedule_wait``
-in :mod:`.durability`.
+store's reads are in :mod:`.inspection`; its start-up checks in :mod:`.durability`.
 """
 from __future__ import annotations
 
@@ -24,19 +23,18 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable, Iterable, Iterator, Sized
+from typing import Any, Callable, Iterable, Iterator, Sized
 
 import redis
 
-from .durability import DurableWrites
-from .inspection import Inspection
-from .keys import Keys
-from .layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of, member_of,
-                     partition_of, task_id_of)
-from .outcomes import Change, Fenced, LayoutMismatch, Stored, StoreUnavailable
-from .redis_client import UNREACHABLE, connect, execute
-from .scripts import Scripts
-from .settings import Settings, redact_url
+from celery_delayed.settings import ConfigurationError, Settings, redact_url
+from celery_delayed.store.inspection import Inspection
+from celery_delayed.store.keys import Keys
+from celery_delayed.store.layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of,
+    member_of, partition_of, task_id_of)
+from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
+from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
+from celery_delayed.store.scripts import Scripts
 
 logger = logging.getLogger(__name__)
 
@@ -355,3 +353,84 @@ def _in_range(due_ms: int, what: str = "") -> int:
     if not 0 <= due_ms < MAX_DUE_MS:
         raise ValueError(f"{what}due time must be between 1970 and 2106 (ms since the epoch), got {due_ms}")
     return due_ms
+
+
+class DurableWrites:
+    """The ``delayed_schedule_wait`` policy of one store's writes that must not be lost: tasks
+    scheduled, and dead letters (their message settled once parked)."""
+
+    def __init__(self, store: DelayedStore) -> None:
+        self.store = store
+        self.policy = store.settings.wait_policy
+        self._waitaof_checked = False
+
+    def end(self, pipe: redis.client.Pipeline, probes: list[str]) -> None:
+        """End a pipeline of writes (schedule, dead letter) with its wait: on the pipeline's own
+        connection, as ``WAIT`` and ``WAITAOF`` count that connection's writes.  A cluster
+        pipeline's connections are not ours: it is waited for after it ran (:meth:`confirm`), on
+        the node of each of ``probes``, a short-lived key in the slot of each group of keys written
+        (:meth:`.Keys.wait_probe`, :attr:`.Keys.dlq_wait`)."""
+        if self.policy is None:
+            return
+        if isinstance(self.store.redis, redis.RedisCluster):
+            pipe.delayed_probes = probes
+        else:
+            self._wait(pipe)
+
+    def confirm(self, pipe: redis.client.Pipeline, replies: list) -> list:
+        """The replies of a schedule pipeline that ran, without its wait's; raises
+        :class:`StoreNotDurable` when the writes are not held as the policy asks."""
+        if self.policy is None:
+            return replies
+        if isinstance(self.store.redis, redis.RedisCluster):
+            self._wait_on_nodes(pipe.delayed_probes)
+            return replies
+        self._check(replies.pop())
+        return replies
+
+    def _wait_on_nodes(self, probes: list[str]) -> None:
+        """``WAIT``/``WAITAOF`` on every primary that holds one of ``probes``, after the writes.
+
+        Both count the writes of their own connection, and a cluster pipeline's connections are not
+        ours to use; but a primary's replication stream is ordered, so a write sent after the
+        pipeline's answer, on a connection of our own, is replicated after them: a ``SET`` of the
+        short-lived probe key, then the wait.  A primary that moved meanwhile answers ``MOVED``
+        (a store error): the write is then not confirmed, and writing again is safe.
+        """
+        by_node = {}
+        for probe in probes:
+            node = self.store.redis.get_node_from_key(probe)
+            by_node.setdefault(node.name, (node, probe))
+        for node, probe in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            pipe.execute_command("SET", probe, 1, "PX", 60_000)
+            self._wait(pipe)
+            self._check(self.store._unchecked(pipe.execute)[-1])
+
+    def _wait(self, pipe: redis.client.Pipeline) -> None:
+        if self.policy.aof:
+            self._require_waitaof()
+            pipe.execute_command("WAITAOF", 1, self.policy.replicas, self.policy.timeout_ms)
+        else:
+            pipe.execute_command("WAIT", self.policy.replicas, self.policy.timeout_ms)
+
+    def _require_waitaof(self) -> None:
+        """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
+        if self._waitaof_checked:
+            return
+        version = self.store._call_redis(self.store.redis.info, "server")["redis_version"]
+        if tuple(map(int, version.split(".")[:2])) < (7, 2):
+            raise ConfigurationError(f"delayed_schedule_wait={self.store.settings.schedule_wait!r} needs WAITAOF, "
+                                     f"new in Redis 7.2; the store's Redis is {version} (use replicas=N with WAIT "
+                                     "instead)")
+        self._waitaof_checked = True
+
+    def _check(self, acked: Any) -> None:
+        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets the policy."""
+        local, replicas = acked if self.policy.aof else (1, acked)
+        if not local or replicas < self.policy.replicas:
+            raise StoreNotDurable(
+                f"store write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
+                f"{self.store.settings.schedule_wait!r}): {replicas} of {self.policy.replicas} replicas acknowledged "
+                f"it{'' if local else ', not fsynced to the AOF'}; what it wrote is on the primary and may be lost if "
+                "it fails now (writing it again is safe: scheduled tasks and dead letters keep one copy)")

@@ -14,8 +14,8 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from kombu.utils.functional import retry_over_time
 
-from .redis_client import UNREACHABLE
-from .settings import ConfigurationError
+from celery_delayed.settings import ConfigurationError
+from celery_delayed.store.redis_client import UNREACHABLE
 
 logger = logging.getLogger(__name__)
 

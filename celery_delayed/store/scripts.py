@@ -13,7 +13,7 @@ from importlib import resources
 
 import redis
 
-from .redis_client import Script
+from celery_delayed.store.redis_client import Script
 
 _INCLUDE = re.compile(r"^--- @include (\w+)$", re.MULTILINE)
 _LUA = resources.files(__package__) / "lua"

@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from .inspection import Page, cursor_after, parse_cursor
-from .layout import due_ms_of, member_of
-from .outcomes import Change
-from .revoke import cancel_or_revoke
+from celery_delayed.store.inspection import Page, cursor_after, parse_cursor
+from celery_delayed.store.layout import due_ms_of, member_of
+from celery_delayed.store.outcomes import Change
+from celery_delayed.store.revoke import cancel_or_revoke
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from .store import DelayedStore
+    from celery_delayed.store.delayed import DelayedStore
 
 #: Entries one bulk batch reads from a partition.
 BATCH = 500

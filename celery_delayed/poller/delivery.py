@@ -19,13 +19,13 @@ from typing import Any, Callable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from . import metrics
-from .dlq import DeadLetter, DeadLetters, ResultBackend
-from .envelope import queue_of
-from .kafka import Verdict, classify, ensure_topics, make_producer
-from .outcomes import STORE_ERRORS
-from .settings import Settings
-from .store import DelayedStore
+from celery_delayed import metrics
+from celery_delayed.envelope import queue_of
+from celery_delayed.kafka import Verdict, classify, ensure_topics, make_producer
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters, ResultBackend
+from celery_delayed.store.outcomes import STORE_ERRORS
 
 logger = logging.getLogger(__name__)
 

@@ -13,22 +13,18 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from celery import Celery, current_app
 from celery.canvas import Signature
-from celery.events import Event
 from celery.result import AsyncResult
 from celery.utils import uuid
-from celery.utils.time import utcoffset
 
-from .client import DelayedAMQP, batching
-from .outcomes import write_retrying
+from celery_delayed.client.batch import Batch, batching
+from celery_delayed.client.intercept import DelayedAMQP
 
 #: Signatures sent per chunk: their tasks are stored in one pipelined write.
 CHUNK = 1000
-#: task-sent events per broker message.
-EVENTS_PER_MESSAGE = 100
 #: The options that set a signature's due time.
 _TIMES = frozenset(("eta", "countdown"))
 
@@ -46,57 +42,6 @@ class ApplyManyError(Exception):
         super().__init__(message)
         self.scheduled = scheduled
         self.unsent = unsent
-
-
-class Batch:
-    """The store items and task-sent events of one chunk, collected while its signatures are sent.
-
-    It stands in for Celery's event dispatcher in ``send_task_message`` (the
-    ``event_dispatcher`` option), keeping each event until the chunk is stored.
-    """
-
-    def __init__(self, app: Celery, sent: list[AsyncResult]) -> None:
-        self.app = app
-        self.items: list[tuple[str, int, bytes]] = []
-        self.events: list[dict] = []
-        self.sent = sent  # the chunk's signatures sent so far
-        self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
-        self.bypassed = False  # a message of the signature being sent went around the batch
-        self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
-        self._publish_options: dict[str, Any] = {}
-
-    def publish(self, type: str, fields: dict, producer: Any, retry: bool = False,
-                retry_policy: dict | None = None, **_: Any) -> None:
-        """``EventDispatcher.publish``, deferred: the event is sent by :meth:`flush`."""
-        dispatcher = self._dispatcher
-        self.events.append(Event(type, hostname=dispatcher.hostname, utcoffset=utcoffset(), pid=dispatcher.pid,
-                                 clock=dispatcher.clock.forward(), **fields))
-        self._publish_options = {"retry": retry, "retry_policy": retry_policy}
-
-    def flush(self) -> None:
-        """Store the chunk's tasks (retried as a broker publish is), then send their events."""
-        if self.items:
-            conf = self.app.conf
-            store = self.app.amqp.delayed_store
-            write_retrying(store.schedule_many, (self.items,), failed=f"storing {len(self.items)} tasks failed",
-                           policy=conf.task_publish_retry_policy if conf.task_publish_retry else {"max_retries": 0})
-            self.items = []
-        if self.events:
-            dispatcher = self._dispatcher
-            with self.app.producer_or_acquire() as producer:
-                for start in range(0, len(self.events), EVENTS_PER_MESSAGE):
-                    producer.publish(self.events[start:start + EVENTS_PER_MESSAGE], routing_key="task.multi",
-                                     exchange=dispatcher.exchange.name, declare=[dispatcher.exchange],
-                                     serializer=dispatcher.serializer, headers=dispatcher.headers,
-                                     delivery_mode=dispatcher.delivery_mode, **self._publish_options)
-            self.events = []
-        self.durable = len(self.sent)
-
-    def bypass(self) -> None:
-        """A message goes around the batch (to the broker, or written alone): the batch is stored
-        first, so that what failed after it was never sent."""
-        self.flush()
-        self.bypassed = True
 
 
 def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, countdown: float | None = None,

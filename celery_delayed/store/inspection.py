@@ -12,13 +12,13 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .envelope import Envelope, EnvelopeError
-from .layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
+from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.store.layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
 
 if TYPE_CHECKING:
-    from .keys import Keys
-    from .scripts import Scripts
-    from .settings import Settings
+    from celery_delayed.settings import Settings
+    from celery_delayed.store.keys import Keys
+    from celery_delayed.store.scripts import Scripts
 
 #: Where a read of the schedule goes on from: after the task due at this ms with this stored
 #: id (None, b"": from the first task; (due, b""): from the first task due then or later).

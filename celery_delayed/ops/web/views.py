@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import browse, store_of
-from ..browse import Filter
-from ..dlq import DeadLetterError, DeadLetters
-from ..inspection import totals
-from ..leadership import leaders, make_etcd
-from ..outcomes import Change
-from ..revoke import cancel_or_revoke
-from ..settings import redact_url
+from celery_delayed import store_of
+from celery_delayed.ops import browse
+from celery_delayed.ops.browse import Filter
+from celery_delayed.poller.leadership import leaders, make_etcd
+from celery_delayed.settings import redact_url
+from celery_delayed.store.dlq import DeadLetterError, DeadLetters
+from celery_delayed.store.inspection import totals
+from celery_delayed.store.outcomes import Change
+from celery_delayed.store.revoke import cancel_or_revoke
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -26,16 +26,10 @@ from typing import Any, Callable, Sequence
 from celery import Celery, Task, signals, states
 from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend
 
-from .outcomes import STORE_ERRORS
-from .redis_client import execute
-from .store import DelayedStore
-
-#: The header naming a task's replace-by-key key: at most one task per key is scheduled.
-KEY_HEADER = "delayed_key"
-#: ``"replace"`` (the default: a new task replaces the scheduled one) or ``"keep"`` (the scheduled one
-#: stays, the new one is dropped).
-KEY_MODE_HEADER = "delayed_key_mode"
-KEY_MODES = ("replace", "keep")
+from celery_delayed.envelope import KEY_HEADER, attempt_of
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.outcomes import STORE_ERRORS
+from celery_delayed.store.redis_client import execute
 
 logger = logging.getLogger(__name__)
 
@@ -269,51 +263,3 @@ def remember_finished(app: Celery) -> None:
             logger.warning("task %s finished, but could not be recorded as such: %s", task_id, exc)
 
     signals.task_postrun.connect(on_postrun, weak=False)
-
-
-def remember_revoked(store: DelayedStore, task_ids: list[str]) -> None:
-    """Record the ids as revoked for ``delayed_revoke_days``; workers will not run them."""
-    ttl_ms = int(store.settings.revoke_days * 86_400_000)
-    pipe = store.redis.pipeline(transaction=False)
-    for task_id in task_ids:
-        pipe.set(store.keys.revoked(task_id), 1, px=ttl_ms)
-    store.execute(pipe)
-
-
-def is_revoked(store: DelayedStore, task_id: str) -> bool:
-    """Whether the id was revoked within ``delayed_revoke_days`` (:func:`remember_revoked`)."""
-    pipe = store.redis.pipeline(transaction=False)
-    pipe.exists(store.keys.revoked(task_id))
-    return bool(store.execute(pipe)[0])
-
-
-def forget_run_records(store: DelayedStore, task_ids: list[str]) -> None:
-    """Drop the ``done`` and ``revoked`` records of ``task_ids``, which are deliberately run again."""
-    pipe = store.redis.pipeline(transaction=False)
-    for task_id in task_ids:
-        for kind in ("done", "revoked"):  # one key per DEL: a cluster pipeline refuses several
-            pipe.delete(store.keys.task(kind, task_id))
-    store.execute(pipe)
-
-
-def executing(request: Any, task_id: str) -> bool:
-    """Whether ``request`` (a task's ``self.request``) is ``task_id`` running in a worker's pool:
-    not a direct call or an eager one (``apply``), nor the worker's main process recording the
-    failure of a task it lost or timed out (Celery pushes that request as a direct call's)."""
-    return bool(request is not None and request.id == task_id and not request.called_directly
-                and not request.is_eager)
-
-
-#: Attempts a task id may retry within one replacement level (see :func:`attempt_of`).
-NESTING_STEP = 1_000_000
-
-
-def attempt_of(headers: dict) -> int:
-    """The attempt number of a message, ordered by (``replaced_task_nesting``, ``retries``): a task
-    that ``Task.replace``-s itself keeps its id and starts ``retries`` over at 0, one nesting level
-    deeper, so its replacement comes after every attempt of the task it replaced (0 for a header
-    absent or odd)."""
-    fields = (headers.get(name) if isinstance(headers, dict) else None for name in ("replaced_task_nesting", "retries"))
-    nesting, retries = (value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-                        for value in fields)
-    return nesting * NESTING_STEP + min(retries, NESTING_STEP - 1)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import current_task
 from celery.app.amqp import AMQP
@@ -27,23 +26,20 @@ from kombu import Queue
 from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
-from .envelope import Envelope, deflate, serialize
-from .once import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing, is_revoked
-from .outcomes import Change, Stored, write_retrying
-from .revoke import cancel_scheduled, record_revoked
-from .settings import RECORD_OVERHEAD, Settings
-from .store import DelayedStore
+from celery_delayed.client.batch import Batch, batching
+from celery_delayed.envelope import Envelope, deflate, serialize
+from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing
+from celery_delayed.settings import RECORD_OVERHEAD, Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.outcomes import Change, Stored, write_retrying
+from celery_delayed.store.records import is_revoked
+from celery_delayed.store.revoke import cancel_scheduled, record_revoked
 
 #: Longest replace-by-key key (characters).
 MAX_KEY_LENGTH = 512
 
-if TYPE_CHECKING:
-    from .bulk import Batch
-
 logger = logging.getLogger(__name__)
 
-#: The :func:`.bulk.apply_many` batch collecting this context's store writes and task-sent events.
-batching: ContextVar[Batch | None] = ContextVar("delayed_batching", default=None)
 
 class DelayedPublishError(ValueError):
     """A delayed task could not be stored as given; nothing was written."""

@@ -23,17 +23,18 @@ from kombu.exceptions import OperationalError
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
-from . import metrics
-from .dlq import DeadLetter, DeadLetters, reason_of
-from .envelope import Envelope
-from .failures import parking
-from .kafka import CLAIMED_HEADER, DUE_HEADER
-from .layout import MAX_DUE_MS, iso_of
-from .offsets import OffsetTracker, PartitionOffsets
-from .once import FROM_KAFKA, KEY_HEADER, KEY_MODE_HEADER, Admit, RunClaims, Verdict, attempt_of
-from .outcomes import STORE_ERRORS
-from .revoke import record_revoked
-from .store import DelayedStore
+from celery_delayed import metrics
+from celery_delayed.envelope import Envelope
+from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, attempt_of
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of
+from celery_delayed.store.layout import MAX_DUE_MS, iso_of
+from celery_delayed.store.outcomes import STORE_ERRORS
+from celery_delayed.store.revoke import record_revoked
+from celery_delayed.worker.failures import parking
+from celery_delayed.worker.offsets import OffsetTracker, PartitionOffsets
+from celery_delayed.worker.once import FROM_KAFKA, Admit, RunClaims, Verdict
 
 logger = logging.getLogger(__name__)
 

@@ -25,17 +25,18 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from . import browse, drain, store_of
-from .browse import Filter, parse_move, parse_when
-from .dlq import DeadLetterError, DeadLetters
-from .kafka import fleet, grow_topic
-from .layout import iso_of
-from .outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
-from .poller import Poller
-from .revoke import cancel_or_revoke
-from .settings import ConfigurationError, Settings
-from .inspection import MAX_PAGE, totals
-from .store import DelayedStore
+from celery_delayed import store_of
+from celery_delayed.kafka import fleet, grow_topic
+from celery_delayed.ops import browse, drain
+from celery_delayed.ops.browse import Filter, parse_move, parse_when
+from celery_delayed.poller.loop import Poller
+from celery_delayed.settings import ConfigurationError, Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetterError, DeadLetters
+from celery_delayed.store.inspection import MAX_PAGE, totals
+from celery_delayed.store.layout import iso_of
+from celery_delayed.store.outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
+from celery_delayed.store.revoke import cancel_or_revoke
 
 console = Console()
 err_console = Console(stderr=True)
@@ -446,8 +447,8 @@ def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, tok
     """Serve the web view of the schedule and the dead letters (and its JSON API under /api)."""
     import tornado.ioloop
 
-    from .web.server import make_app
-    from .web.views import Views
+    from celery_delayed.ops.web.server import make_app
+    from celery_delayed.ops.web.views import Views
 
     _load(ctx, check=False)  # a store that is down answers 503 until it is back
     try:

@@ -21,10 +21,10 @@ from typing import Any
 
 from celery import Celery, Task, signals
 
-from .dlq import DeadLetter, DeadLetters, reason_of
-from .envelope import Envelope, serialize
-from .once import executing
-from .outcomes import write_retrying
+from celery_delayed.envelope import Envelope, serialize
+from celery_delayed.envelope import executing
+from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of
+from celery_delayed.store.outcomes import write_retrying
 
 logger = logging.getLogger(__name__)
 

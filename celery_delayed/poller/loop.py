@@ -21,15 +21,15 @@ from typing import Iterable, Iterator
 
 from confluent_kafka import Producer
 
-from . import metrics
-from .delivery import Delivery
-from .dlq import ResultBackend
-from .durability import preflight
-from .kafka import CLAIMED_HEADER, DUE_HEADER
-from .leadership import Leadership
-from .outcomes import STORE_ERRORS, Fenced
-from .settings import Settings
-from .store import Claim, DelayedStore
+from celery_delayed import metrics
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
+from celery_delayed.poller.delivery import Delivery
+from celery_delayed.poller.leadership import Leadership
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import Claim, DelayedStore
+from celery_delayed.store.dlq import ResultBackend
+from celery_delayed.store.durability import preflight
+from celery_delayed.store.outcomes import STORE_ERRORS, Fenced
 
 logger = logging.getLogger(__name__)
 

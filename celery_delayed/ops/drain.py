@@ -15,11 +15,11 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from . import browse
-from .client import header_ms
-from .envelope import Envelope, EnvelopeError
-from .leadership import make_etcd
-from .once import KEY_HEADER
+from celery_delayed.client.intercept import header_ms
+from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.envelope import KEY_HEADER
+from celery_delayed.ops import browse
+from celery_delayed.poller.leadership import make_etcd
 
 #: Ids of unreadable stored messages a drain names (it counts them all).
 NAMED = 20
@@ -27,7 +27,7 @@ NAMED = 20
 if TYPE_CHECKING:
     from celery import Celery
 
-    from .store import DelayedStore
+    from celery_delayed.store.delayed import DelayedStore
 
 
 def running_pollers(store: DelayedStore) -> list[str]:

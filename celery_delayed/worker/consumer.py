@@ -26,15 +26,16 @@ from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from .durability import worker_preflight
-from .envelope import Envelope
-from .intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
-from .kafka import consumer_config, ensure_topics
-from .offsets import OffsetTracker
-from .once import Admit, Copy, RunClaims, admit, attempt_of
-from .settings import Settings
-from .store import DelayedStore
-from .wakeup import Wakeup
+from celery_delayed.envelope import Envelope
+from celery_delayed.envelope import attempt_of
+from celery_delayed.kafka import consumer_config, ensure_topics
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.durability import worker_preflight
+from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
+from celery_delayed.worker.offsets import OffsetTracker
+from celery_delayed.worker.once import Admit, Copy, RunClaims, admit
+from celery_delayed.worker.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,8 @@ class KafkaFeed:
         _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
         self._thread.start()
-        logger.info("consuming Kafka topics %s (group %s, group protocol %s)",
-                    [self.settings.topic(q) for q in self.queues], self.settings.consumer_group, config["group.protocol"])
+        logger.info("consuming Kafka topics %s (group %s, group protocol %s)", [self.settings.topic(q) for q in self.queues],
+                    self.settings.consumer_group, config["group.protocol"])
 
     def stop(self) -> None:
         """Hand this worker's partitions over now: stop reading, commit what is settled and leave

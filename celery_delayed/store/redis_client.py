@@ -22,7 +22,7 @@ from redis.cluster import ClusterPipeline
 from redis.commands.core import Script as RedisScript
 from redis.exceptions import ClusterError, NoScriptError, RedisClusterException
 
-from .settings import Settings
+from celery_delayed.settings import Settings
 
 #: What a store that cannot be reached raises, standalone or cluster (a cluster
 #: that is down, has slots without a node, or whose nodes all refuse connections).

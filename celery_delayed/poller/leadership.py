@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 import pyetcd
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from .keys import Keys
-from .layout import partition_of
-from .settings import Settings
+from celery_delayed.settings import Settings
+from celery_delayed.store.keys import Keys
+from celery_delayed.store.layout import partition_of
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import redis
 import tornado.web
 from tornado.ioloop import IOLoop
 
-from ..browse import Filter, parse_move, parse_when
-from ..outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
-from .views import Job, LetterFilter, Views
+from celery_delayed.ops.browse import Filter, parse_move, parse_when
+from celery_delayed.ops.web.views import Job, LetterFilter, Views
+from celery_delayed.store.outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
 
 logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent

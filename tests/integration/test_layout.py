@@ -1,14 +1,21 @@
 """The store's recorded layout: a process with another partition count is refused before it changes anything."""
 from __future__ import annotations
 
+import base64
+import json
 import logging
+from pathlib import Path
 
 import pytest
+import redis
 
+from celery_delayed import store_of
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore, LayoutMismatch
 from celery_delayed.store.durability import preflight
+
+from tasks import create_app
 
 from .support import envelopes, run_briefly
 from .test_cli import celery
@@ -57,3 +64,44 @@ def test_poller_on_a_prefix_nothing_was_scheduled_under_says_so(overrides, caplo
     assert [r.getMessage() for r in caplog.records if "nothing was ever scheduled" in r.getMessage()] == [
         f"nothing was ever scheduled under delayed_key_prefix {store.settings.key_prefix!r} in this Redis (its "
         "layout is new): if your clients use another prefix, this poller dispatches none of their tasks"]
+
+
+def restore(client: redis.Redis, prefix: str, keys: dict) -> None:
+    """Write keys saved as ``{name after the prefix: {type, value}}`` (bytes in base64) under ``prefix``."""
+    b = base64.b64decode
+    for name, saved in keys.items():
+        key, value = prefix + name, saved["value"]
+        if saved["type"] == "string":
+            client.set(key, b(value))
+        elif saved["type"] == "hash":
+            client.hset(key, mapping={b(field): b(v) for field, v in value.items()})
+        elif saved["type"] == "zset":
+            client.zadd(key, {b(member): score for member, score in value})
+        else:
+            client.sadd(key, *(b(member) for member in value))
+
+
+@pytest.mark.cluster_too
+def test_a_store_written_before_the_layout_by_hop_is_read_and_each_task_runs(overrides, processes):
+    """Moving the modules into one subpackage per hop changed no key and no message format: a store
+    written by the code before it (its keys as Redis held them, through apply_async, a replace-by-key,
+    a task id that is not a UUID and apply_many) is read as it was, and every task in it runs."""
+    saved = json.loads((Path(__file__).parent / "data" / "store-0.1.0.json").read_text())
+    overrides["task_default_queue"] = saved["queue"]  # the queue its tasks were sent to; topics stay this test's
+    app = create_app(**overrides)
+    store = store_of(app)
+    restore(store.redis, overrides["delayed_key_prefix"], saved["keys"])
+    expected = {**{f"00000000-0000-4000-8000-00000000000{i}": 2 * i for i in range(4)},
+                "keyed-task": 20, "not-a-uuid-id": 22, **{f"bulk-{i}": 40 + 2 * i for i in range(3)}}
+    assert sum(c["scheduled"] for c in store.counts()) == len(expected)
+    assert {task_id: (t["task"], t["queue"], t["state"]) for task_id in expected if (t := store.get(task_id))} == {
+        task_id: ("tasks.demo.add", saved["queue"], "scheduled") for task_id in expected}
+    assert store.key_holder("fixture-key") == "keyed-task"
+    for task_id in expected:  # the ids are the saved store's: a result of an earlier run must not answer
+        app.AsyncResult(task_id).forget()
+    store.reschedule_many([(task_id, store.now_ms()) for task_id in expected])
+    processes.poller()
+    processes.worker("w1")
+    assert {task_id: app.AsyncResult(task_id).get(timeout=90) for task_id in expected} == expected
+    assert sum(c["scheduled"] for c in store.counts()) == 0
+

@@ -27,8 +27,8 @@ from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
 from celery_delayed.client.batch import Batch, batching
-from celery_delayed.envelope import Envelope, deflate, serialize
-from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, KEY_MODES, attempt_of, executing
+from celery_delayed.envelope import (KEY_HEADER, KEY_MODES, KEY_MODE_HEADER, Envelope, attempt_of, deflate, executing,
+    serialize)
 from celery_delayed.settings import RECORD_OVERHEAD, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import Change, Stored, write_retrying
@@ -277,5 +277,5 @@ def key_of(headers: dict) -> tuple[str, str] | None:
 
 
 def _is_own_retry(task_id: str | None) -> bool:
-    """Whether a message of ``task_id`` is the retry of the task a worker runs here (:func:`.once.executing`)."""
+    """Whether a message of ``task_id`` is the retry of the task a worker runs here (:func:`executing`)."""
     return bool(current_task) and task_id is not None and executing(current_task.request, task_id)

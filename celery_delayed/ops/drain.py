@@ -16,8 +16,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from celery_delayed.client.intercept import header_ms
-from celery_delayed.envelope import Envelope, EnvelopeError
-from celery_delayed.envelope import KEY_HEADER
+from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError
 from celery_delayed.ops import browse
 from celery_delayed.poller.leadership import make_etcd
 

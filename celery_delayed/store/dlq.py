@@ -20,8 +20,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterator, Protocol
 
-from celery_delayed.envelope import Envelope, EnvelopeError
-from celery_delayed.envelope import attempt_of
+from celery_delayed.envelope import Envelope, EnvelopeError, attempt_of
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.records import forget_run_records
 from celery_delayed.store.redis_client import execute

@@ -15,7 +15,6 @@ import logging
 
 import redis
 
-
 from celery_delayed.settings import ConfigurationError
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import STORE_ERRORS

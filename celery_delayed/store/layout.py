@@ -9,7 +9,7 @@ import struct
 import zlib
 from datetime import datetime, timezone
 
-#: Width of the time buckets (see :mod:`.store`).  Part of the stored
+#: Width of the time buckets (see :mod:`.delayed`).  Part of the stored
 #: layout: every process of a deployment must use the same value.
 BUCKET_SECONDS = 10
 #: Version of the stored format (key names, message prefix, member encoding): part of the layout.

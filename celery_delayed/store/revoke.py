@@ -7,7 +7,7 @@ later, or after every worker restarted, would run anyway.  :class:`DelayedContro
 it) first remembers every revoked id in Redis for ``delayed_revoke_days``,
 then removes each from the store for good and records it as REVOKED, as a
 worker would have; then it broadcasts Celery's revoke as usual.  A worker
-checks that record before it runs a task (:meth:`.once.RunClaims.acquire`), so a
+checks that record before it runs a task (:meth:`celery_delayed.worker.once.RunClaims.acquire`), so a
 task already claimed by a poller or waiting on Kafka, or one that was running
 and retries into the store, does not run either, on any worker, started when
 it may.

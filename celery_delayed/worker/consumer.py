@@ -26,8 +26,7 @@ from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from celery_delayed.envelope import Envelope
-from celery_delayed.envelope import attempt_of
+from celery_delayed.envelope import Envelope, attempt_of
 from celery_delayed.kafka import consumer_config, ensure_topics
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
@@ -145,15 +144,15 @@ class KafkaFeed:
         })
         self._incremental = incremental(config)
         self._consumer = Consumer(config)
-        self._consumer.subscribe([self.settings.topic(q) for q in self.queues],
-                                 on_assign=self._on_assign, on_revoke=self._on_revoke)
+        topics = [self.settings.topic(q) for q in self.queues]
+        self._consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
         self._wakeup = Wakeup(self.c.hub, self._drain)
         self._reading.set()
         _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
         self._thread.start()
-        logger.info("consuming Kafka topics %s (group %s, group protocol %s)", [self.settings.topic(q) for q in self.queues],
-                    self.settings.consumer_group, config["group.protocol"])
+        logger.info("consuming Kafka topics %s (group %s, group protocol %s)", topics, self.settings.consumer_group,
+                    config["group.protocol"])
 
     def stop(self) -> None:
         """Hand this worker's partitions over now: stop reading, commit what is settled and leave

@@ -21,8 +21,7 @@ from typing import Any
 
 from celery import Celery, Task, signals
 
-from celery_delayed.envelope import Envelope, serialize
-from celery_delayed.envelope import executing
+from celery_delayed.envelope import Envelope, executing, serialize
 from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of
 from celery_delayed.store.outcomes import write_retrying
 

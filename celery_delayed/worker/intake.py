@@ -24,8 +24,7 @@ from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
 from celery_delayed import metrics
-from celery_delayed.envelope import Envelope
-from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, attempt_of
+from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, Envelope, attempt_of
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of

@@ -3,7 +3,7 @@ copies of one task_id never run at the same time.
 
 Kafka and the poller deliver at least once, so a task can arrive twice.  Before
 a worker hands a task to Celery it takes a *run claim* (``<prefix>:run:{<task_id>}``,
-SET NX with a lease), unless the id was revoked (:func:`remember_revoked`) or its
+SET NX with a lease), unless the id was revoked (:func:`celery_delayed.store.records.remember_revoked`) or its
 run from Kafka finished within ``delayed_done_ttl`` (:func:`remember_finished`:
 this covers tasks whose result is ignored, or not stored, and attempts that ended
 in a retry, whose late copies must not run again), then checks the result backend

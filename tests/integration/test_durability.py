@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from celery_delayed.poller.loop import Poller
-from celery_delayed.settings import ConfigurationError
-from celery_delayed.settings import Settings
+from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters
 from celery_delayed.store.durability import preflight, worker_preflight

@@ -1,8 +1,11 @@
 """The delayed store: scheduled tasks in Redis, one sorted set per partition.
 
-Each partition ``p`` keeps its tasks in time buckets (``<prefix>:{p}:t:<start>``)
-with an index of the buckets, a hash of the messages and an inflight set;
-:mod:`.keys` names every key and what it holds.
+Each partition ``p`` keeps its tasks in time buckets (``<prefix>:{p}:t:<queue>:<start>``),
+one lane of buckets per queue with an index of its buckets, a hash of the messages and
+an inflight set; :mod:`.keys` names every key and what it holds.  Lanes keep queues
+apart at dispatch: a claim takes from each queue's due tasks in turn, so a campaign
+of a million tasks due at once on one queue delays no other queue's tasks
+(``lua/_buckets.lua``, ``lua/claim.lua``).
 
 Why buckets: one sorted set of millions costs ~150 B per task in Redis (skip
 list + hash table); a bucket of at most ``zset-max-listpack-entries`` (128)
@@ -30,8 +33,8 @@ import redis
 from celery_delayed.settings import ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
-from celery_delayed.store.layout import (_BUCKET, BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, bucket_of, due_ms_of,
-    member_of, partition_of, task_id_of)
+from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, READS_FORMATS, due_ms_of,
+    lane_of, member_of, partition_of, stored_message, task_id_of)
 from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
 from celery_delayed.store.scripts import Scripts
@@ -141,7 +144,7 @@ class DelayedStore(Inspection):
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
                 by_partition.setdefault(self.partition(task_id), []).extend(
-                    (member_of(task_id), due_ms, attempt, _BUCKET.pack(bucket_of(due_ms)) + data))
+                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, lane_of(data), data)))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
@@ -280,14 +283,25 @@ class DelayedStore(Inspection):
         cancel, reschedule and dedup.  Returns True when this call recorded the
         layout, i.e. nothing was stored under this key prefix before.
         Raises :class:`LayoutMismatch`, naming both values, on a difference.
+        A store of an older format this one reads as it is (:data:`READS_FORMATS`)
+        is recorded as this format, so processes of the older one refuse it from then on.
         """
         mine = {k: str(v) for k, v in self.layout().items()}
+        recorded = " ".join(f"{k}={v}" for k, v in mine.items())
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.layout, " ".join(f"{k}={v}" for k, v in mine.items()), nx=True)
+        pipe.set(self.keys.layout, recorded, nx=True)
         pipe.get(self.keys.layout)
         created, stored = self._unchecked(execute, self.redis, pipe)
+        stored_layout = dict(item.split("=", 1) for item in stored.decode().split())
         differences = [f"{'delayed_' if k == 'partitions' else ''}{k}={v} (this process: {mine.get(k)})"
-                       for k, v in (item.split("=", 1) for item in stored.decode().split()) if mine.get(k) != v]
+                       for k, v in stored_layout.items() if mine.get(k) != v]
+        older = stored_layout.get("format") in {str(f) for f in READS_FORMATS if f < LAYOUT_FORMAT}
+        if older and differences == [f"format={stored_layout['format']} (this process: {LAYOUT_FORMAT})"]:
+            self._unchecked(self.redis.set, self.keys.layout, recorded)
+            logger.warning("delayed store %s: format %s recorded as format %s (lanes); its tasks are read as they "
+                           "are. Pollers of the older version do not dispatch tasks stored from now on: upgrade them "
+                           "first (README: Upgrading)", self.keys.layout, stored_layout["format"], LAYOUT_FORMAT)
+            differences = []
         if differences:
             raise LayoutMismatch(
                 f"the delayed store {self.keys.layout} at {redact_url(self.settings.redis_url)} was laid out with "

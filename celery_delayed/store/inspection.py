@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from celery_delayed.envelope import Envelope, EnvelopeError
-from celery_delayed.store.layout import _BUCKET, BUCKET_SECONDS, iso_of, member_of, task_id_of
+from celery_delayed.store.layout import BUCKET_SECONDS, iso_of, member_of, parse_stored, task_id_of
 
 if TYPE_CHECKING:
     from celery_delayed.settings import Settings
@@ -58,14 +58,14 @@ class Inspection:
         stored, deadline = self.execute(pipe)
         if stored is None:
             return None
-        data = _envelope_of(stored)
+        start, lane, data = parse_stored(stored)
         try:
             envelope = Envelope.decode(data)
         except EnvelopeError as exc:  # shown as such (the reason in ``error``), for an operator to cancel
             envelope, error = None, str(exc)
         due = None
         if deadline is None:
-            due = self._call_redis(self.redis.zscore, self.keys.bucket(p, _BUCKET.unpack_from(stored)[0]), member)
+            due = self._call_redis(self.redis.zscore, self.keys.bucket(p, start, lane), member)
         due_ms = int(due) if due is not None else None
         headers = envelope.headers if envelope else {}
         return {"task_id": task_id, "task": envelope.task_name if envelope else UNREADABLE,
@@ -79,7 +79,7 @@ class Inspection:
     def message(self, task_id: str) -> bytes | None:
         """The stored envelope of a task (scheduled or in flight), or None."""
         stored = self._call_redis(self.redis.hget, self.keys.msgs(self.partition(task_id)), member_of(task_id))
-        return None if stored is None else _envelope_of(stored)
+        return None if stored is None else parse_stored(stored)[2]
 
     def lapsed_claims(self, partition: int, now_ms: int) -> list[tuple[str, int]]:
         """The ``(task_id, claim stamp)`` of a partition's in-flight tasks whose claim ran out by
@@ -142,7 +142,7 @@ class Inspection:
 
     def _read_entries(self, pipe: Any, p: int, position: Position, limit: int) -> None:
         due_ms, member = position
-        self.scripts["upcoming"](keys=[self.keys.buckets(p)],
+        self.scripts["upcoming"](keys=[self.keys.buckets(p), self.keys.lanes(p)],
                                  args=[self.keys.bucket_prefix(p), BUCKET_SECONDS,
                                        "" if due_ms is None else due_ms, member, limit], client=pipe)
 
@@ -165,7 +165,7 @@ class Inspection:
             if stored is not None:
                 item = {"task_id": task_id_of(member), "due_ms": due_ms, "eta": iso_of(due_ms), "partition": p}
                 try:
-                    envelope = Envelope.decode(_envelope_of(stored))
+                    envelope = Envelope.decode(parse_stored(stored)[2])
                 except EnvelopeError as exc:  # shown for what it is, never a failed page or bulk action
                     items.append({**item, "task": UNREADABLE, "queue": None, "argsrepr": str(exc),
                                   "kwargsrepr": None, "retries": 0})
@@ -195,7 +195,7 @@ class Inspection:
             for first in range(0, bins, per_call):
                 start = from_ms + first * bin_ms
                 span = min(per_call, bins - first)
-                reply = self._call("histogram", [self.keys.buckets(p)],
+                reply = self._call("histogram", [self.keys.buckets(p), self.keys.lanes(p)],
                                    [self.keys.bucket_prefix(p), start, start + span * bin_ms, bin_ms])
                 for i, n in enumerate(reply):
                     counts[first + i] += n
@@ -239,11 +239,6 @@ def totals(rows: list[dict]) -> dict:
 def _entries_of(rows: list, partition: int) -> list[tuple[int, bytes, int]]:
     """``upcoming.lua``'s reply as ``(due ms, member, partition)`` entries."""
     return [(int(rows[i + 1]), rows[i], partition) for i in range(0, len(rows), 2)]
-
-
-def _envelope_of(stored: bytes) -> bytes:
-    """A stored message without its leading bucket start."""
-    return stored[_BUCKET.size:]
 
 
 def parse_cursor(cursor: str | None) -> Position:

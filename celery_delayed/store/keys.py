@@ -12,9 +12,13 @@ import zlib
 
 #: ``(pattern, Redis type, what it holds)`` of every key, in the README's order.
 LAYOUT: tuple[tuple[str, str, str], ...] = (
-    ("<prefix>:{p}:t:<start>", "ZSET", "id -> due ms of the tasks due in the 10 s bucket starting at <start> (s)"),
-    ("<prefix>:{p}:buckets", "ZSET", "bucket start -> earliest due ms in that bucket"),
-    ("<prefix>:{p}:msg", "HASH", "id -> 4-byte bucket start + envelope"),
+    ("<prefix>:{p}:t:<lane>:<start>", "ZSET",
+     "id -> due ms of the tasks of queue <lane> due in the 10 s bucket starting at <start> (s)"),
+    ("<prefix>:{p}:buckets:<lane>", "ZSET", "bucket start -> earliest due ms in that bucket of queue <lane>"),
+    ("<prefix>:{p}:lanes", "ZSET", "queue (lane) -> earliest due ms of its tasks"),
+    ("<prefix>:{p}:t:<start>", "ZSET", "as t:<lane>:<start>, for the tasks stored before lanes (layout format 1)"),
+    ("<prefix>:{p}:buckets", "ZSET", "as buckets:<lane>, for the tasks stored before lanes"),
+    ("<prefix>:{p}:msg", "HASH", "id -> 4-byte bucket start + lane (NUL, length, queue) + envelope"),
     ("<prefix>:{p}:inflight", "ZSET", "id -> visibility deadline ms of a claimed task, also its claim's stamp"),
     ("<prefix>:{p}:attempt", "HASH", "id -> attempt number of the stored copy (retries only)"),
     ("<prefix>:{p}:fence", "STRING", "highest fencing token that has claimed the partition"),
@@ -54,14 +58,19 @@ class Keys:
         return f"{self.prefix}:{{{partition}}}:{name}"
 
     def bucket_prefix(self, partition: int) -> str:
-        """What a bucket's start (s) follows in its key (scripts build bucket keys from it)."""
+        """What a lane and a bucket's start (s) follow in a bucket key (scripts build bucket keys from it)."""
         return self.of(partition, "t:")
 
-    def bucket(self, partition: int, start: int) -> str:
-        return self.of(partition, f"t:{start}")
+    def bucket(self, partition: int, start: int | str, lane: str = "") -> str:
+        """A bucket of ``lane`` (a queue; "" for tasks stored before lanes, see ``lua/_buckets.lua``)."""
+        return self.of(partition, f"t:{lane}:{start}" if lane else f"t:{start}")
 
-    def buckets(self, partition: int) -> str:
-        return self.of(partition, "buckets")
+    def buckets(self, partition: int, lane: str = "") -> str:
+        """The bucket index of ``lane``."""
+        return self.of(partition, f"buckets:{lane}" if lane else "buckets")
+
+    def lanes(self, partition: int) -> str:
+        return self.of(partition, "lanes")
 
     def msgs(self, partition: int) -> str:
         return self.of(partition, "msg")
@@ -85,8 +94,8 @@ class Keys:
         return self.of(partition, "wait")
 
     def core(self, partition: int) -> list[str]:
-        """The bucket index, message hash and inflight set: most scripts' first KEYS."""
-        return [self.buckets(partition), self.msgs(partition), self.inflight(partition)]
+        """The bucket index, message hash, inflight set and lanes: most scripts' first KEYS."""
+        return [self.buckets(partition), self.msgs(partition), self.inflight(partition), self.lanes(partition)]
 
     # -- a task id's records ---------------------------------------------------
     def task(self, kind: str, task_id: str) -> str:

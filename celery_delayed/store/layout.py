@@ -1,4 +1,4 @@
-"""How a task sits in the store: its partition, its stored id, its time bucket, its due time.
+"""How a task sits in the store: its partition, its stored id, its lane, its time bucket, its due time.
 
 Part of the stored layout (:meth:`.DelayedStore.check_layout`): every process
 of a deployment must encode the same way.
@@ -9,13 +9,20 @@ import struct
 import zlib
 from datetime import datetime, timezone
 
+from celery_delayed.envelope import EnvelopeError, queue_of
+
 #: Width of the time buckets (see :mod:`.delayed`).  Part of the stored
 #: layout: every process of a deployment must use the same value.
 BUCKET_SECONDS = 10
 #: Version of the stored format (key names, message prefix, member encoding): part of the layout.
-LAYOUT_FORMAT = 1
+#: Format 2 added lanes; it reads a store of format 1 as it is (its tasks are lane "").
+LAYOUT_FORMAT = 2
+#: The formats a store may have been written in that this one reads as they are.
+READS_FORMATS = (1, 2)
 #: A stored message starts with its bucket's start, big-endian (Lua: struct '>I4').
 _BUCKET = struct.Struct(">I")
+#: Longest lane name (bytes): a queue whose name is longer shares lane "".
+MAX_LANE = 255
 #: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
 MAX_DUE_MS = 2**32 * 1000
 
@@ -47,6 +54,31 @@ def task_id_of(member: bytes) -> str:
         raw = member.hex()
         return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
     return (member[1:] if member[:1] == b"\0" else member).decode()
+
+
+def lane_of(envelope: bytes) -> bytes:
+    """The lane (``lua/_buckets.lua``) of a task: its queue's name; "" when that is too long or
+    ``envelope`` is none (dispatch dead-letters it), as lanes only keep queues apart."""
+    try:
+        lane = queue_of(envelope).encode()
+    except EnvelopeError:
+        return b""
+    return lane if len(lane) <= MAX_LANE else b""
+
+
+def stored_message(due_ms: int, lane: bytes, envelope: bytes) -> bytes:
+    """What the store keeps of a task: its bucket's start, its lane (a NUL, its length, its name) and envelope."""
+    head = _BUCKET.pack(bucket_of(due_ms))
+    return head + b"\0" + bytes((len(lane),)) + lane + envelope if lane else head + envelope
+
+
+def parse_stored(stored: bytes) -> tuple[int, str, bytes]:
+    """``(bucket start, lane, envelope)`` of a stored message (the inverse of :func:`stored_message`)."""
+    start = _BUCKET.unpack_from(stored)[0]
+    if stored[4:5] != b"\0":
+        return start, "", stored[4:]
+    end = 6 + stored[5]
+    return start, stored[6:end].decode(), stored[end:]
 
 
 def bucket_of(due_ms: int) -> int:

@@ -44,7 +44,7 @@ def test_countdown_task_goes_store_then_kafka_then_worker(overrides, processes):
     entry = store.get(result.id)
     assert entry["state"] == "scheduled" and entry["task"] == "tasks.demo.add" and entry["queue"] == queue
     bucket = entry["due_ms"] // 1000 // BUCKET_SECONDS * BUCKET_SECONDS
-    assert store.redis.zscore(store.keys.bucket(entry["partition"], bucket), member_of(result.id)) == entry["due_ms"]
+    assert store.redis.zscore(store.keys.bucket(entry["partition"], bucket, queue), member_of(result.id)) == entry["due_ms"]
     assert broker.llen(queue) == 0
 
     processes.poller()

@@ -42,7 +42,7 @@ def test_store_with_another_partition_count_is_refused_and_changes_nothing(overr
     assert isinstance(refused, LayoutMismatch) and "drain the store" in str(refused)
     assert sum(r["scheduled"] for r in store.counts()) == 20
     assert store.get("task-0")["state"] == "scheduled" and store.get("new-0") is None
-    assert store.redis.get(store.keys.layout) == layout == b"partitions=4 bucket_seconds=10 format=1"
+    assert store.redis.get(store.keys.layout) == layout == b"partitions=4 bucket_seconds=10 format=2"
 
 
 def test_cli_with_another_partition_count_prints_one_line(overrides):
@@ -81,19 +81,37 @@ def restore(client: redis.Redis, prefix: str, keys: dict) -> None:
             client.sadd(key, *(b(member) for member in value))
 
 
+def test_a_process_of_the_format_before_lanes_is_refused_by_a_store_of_lanes(overrides, monkeypatch):
+    """A poller of format 1 would never dispatch a task of a named lane: once the store is format 2, a
+    process of format 1 is refused, naming the format, and the layout stays."""
+    store = DelayedStore(Settings.from_conf(overrides))
+    store.schedule_many(envelopes(3, "q", now_ms()))
+    monkeypatch.setattr("celery_delayed.store.delayed.LAYOUT_FORMAT", 1)
+    with pytest.raises(LayoutMismatch, match=r"format=2 \(this process: 1\)"):
+        DelayedStore(Settings.from_conf(overrides)).counts()
+    assert store.redis.get(store.keys.layout).endswith(b" format=2")
+
+
 @pytest.mark.cluster_too
-def test_a_store_written_before_the_layout_by_hop_is_read_and_each_task_runs(overrides, processes):
-    """Moving the modules into one subpackage per hop changed no key and no message format: a store
-    written by the code before it (its keys as Redis held them, through apply_async, a replace-by-key,
-    a task id that is not a UUID and apply_many) is read as it was, and every task in it runs."""
+def test_a_store_of_format_1_is_read_as_it_is_and_each_of_its_tasks_runs_beside_new_ones(overrides, processes):
+    """A store written by 0.1.0 (layout format 1, before lanes and the layout by hop; its keys as Redis
+    held them, through apply_async, a replace-by-key, a task id that is not a UUID and apply_many) is
+    read as it is, its layout recorded as format 2 on first use, and every task in it runs, with tasks
+    stored since in their queue's lane."""
     saved = json.loads((Path(__file__).parent / "data" / "store-0.1.0.json").read_text())
     overrides["task_default_queue"] = saved["queue"]  # the queue its tasks were sent to; topics stay this test's
     app = create_app(**overrides)
     store = store_of(app)
     restore(store.redis, overrides["delayed_key_prefix"], saved["keys"])
+    assert store.redis.get(store.keys.layout).endswith(b" format=1")
     expected = {**{f"00000000-0000-4000-8000-00000000000{i}": 2 * i for i in range(4)},
                 "keyed-task": 20, "not-a-uuid-id": 22, **{f"bulk-{i}": 40 + 2 * i for i in range(3)}}
     assert sum(c["scheduled"] for c in store.counts()) == len(expected)
+    assert store.redis.get(store.keys.layout).endswith(b" format=2")
+    new = app.tasks["tasks.demo.add"].apply_async((50, 50), countdown=3600)
+    p = store.partition(new.id)
+    assert store.redis.zscore(store.keys.lanes(p), saved["queue"]) == store.get(new.id)["due_ms"]
+    expected[new.id] = 100
     assert {task_id: (t["task"], t["queue"], t["state"]) for task_id in expected if (t := store.get(task_id))} == {
         task_id: ("tasks.demo.add", saved["queue"], "scheduled") for task_id in expected}
     assert store.key_holder("fixture-key") == "keyed-task"

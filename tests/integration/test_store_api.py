@@ -83,8 +83,8 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     ids = [str(uuid.uuid4()) for _ in range(60)]
     dues = [now - 60_000 + 2000 * i for i in range(30)] + [now + 30_000 + 2000 * i for i in range(30)]
     store.schedule_many((task_id, due, data) for task_id, due, (_, _, data) in zip(ids, dues, envelopes(60, "q", 0)))
-    buckets = store.keys.buckets(0)
-    assert store.redis.zcard(buckets) >= 12
+    buckets = store.keys.buckets(0, "q")  # the lane of queue q
+    assert store.redis.zcard(buckets) >= 12 and store.redis.zscore(store.keys.lanes(0), "q") == dues[0]
 
     assert store.cancel(ids[0]) is Change.DONE and store.reschedule(ids[5], now + 3_600_000)
     assert store.counts()[0]["next_due_ms"] == dues[1]  # the index left the cancelled head behind
@@ -115,7 +115,8 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     for task_id in left:
         assert store.cancel(task_id) is Change.DONE
     assert store.redis.zcard(buckets) == 0 and store.redis.hlen(store.keys.msgs(0)) == 0
-    assert not list(store.redis.scan_iter(store.keys.bucket(0, "*")))  # emptied buckets are gone, not left as keys
+    assert store.redis.zcard(store.keys.lanes(0)) == 0  # the emptied lane is gone with its last task
+    assert not list(store.redis.scan_iter(store.keys.bucket(0, "*", "q")))  # emptied buckets are gone, not left
 
 
 def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
@@ -234,3 +235,26 @@ def test_the_largest_claims_and_acks_fit_the_scripts_variadic_calls(overrides):
     assert store.ack(0, acked) == 0  # forgotten already
     assert (store.counts()[0]["inflight"], store.counts()[0]["scheduled"]) == (0, 5000)
     assert store.message(claims[0].items[0][0]) is None and store.message(claims[2].items[0][0]) is not None
+
+
+def test_a_claim_takes_from_each_queue_in_turn_so_no_backlog_holds_another_queue_back(overrides):
+    """Lanes (issue 29): 3,000 tasks of queue bulk due a minute ago and 3,000 of queue mail due 30 s ago
+    stand before a task of queue other due a second ago.  A claim of 100 still takes other's task and
+    shares the rest between the two backlogs; then they drain a whole claim at a time, each task once."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    now = now_ms()
+    store.schedule_many(envelopes(3000, "bulk", now - 60_000, prefix="bulk"))
+    store.schedule_many(envelopes(3000, "mail", now - 30_000, prefix="mail"))
+    store.schedule_many(envelopes(1, "other", now - 1000, prefix="other"))
+
+    first = [item[0] for item in store.claim(0, token=1, limit=100).items]
+    assert "other-0" in first and len(first) == 100
+    shares = [sum(task_id.startswith(queue) for task_id in first) for queue in ("bulk", "mail")]
+    assert abs(shares[0] - shares[1]) <= 1, shares
+    drained = first
+    while claimed := [item[0] for item in store.claim(0, token=1, limit=100).items]:
+        assert len(claimed) == 100 or len(drained) + len(claimed) == 6001  # whole claims to the end
+        drained += claimed
+    assert sorted(drained) == sorted([f"bulk-{i}" for i in range(3000)] + [f"mail-{i}" for i in range(3000)]
+                                     + ["other-0"])
+    assert store.counts()[0]["next_due_ms"] is None and not store.redis.exists(store.keys.lanes(0))

@@ -14,6 +14,9 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "scheduled-tasks.md"
 #: Each documented pattern, built by Keys with placeholders for its variable parts.
 K = Keys("<prefix>")
 BUILT = {
+    "<prefix>:{p}:t:<lane>:<start>": K.bucket("p", "<start>", "<lane>"),
+    "<prefix>:{p}:buckets:<lane>": K.buckets("p", "<lane>"),
+    "<prefix>:{p}:lanes": K.lanes("p"),
     "<prefix>:{p}:t:<start>": K.bucket("p", "<start>"),
     "<prefix>:{p}:buckets": K.buckets("p"),
     "<prefix>:{p}:msg": K.msgs("p"),

@@ -1,15 +1,32 @@
--- Shared steps of the bucket layout (store.py's module doc), put in front of a script
--- that says "--- @include _buckets". A stored message is its bucket's start (4 bytes,
--- big-endian) followed by the task's envelope.
+-- Shared steps of the bucket layout (store/delayed.py's module doc), put in front of a
+-- script that says "--- @include _buckets".
+--
+-- A partition's tasks are split into lanes, one per queue, so that one queue's backlog
+-- never stands in front of another queue's due tasks (claim.lua takes from each due
+-- lane in turn). Lane L keeps its buckets under `<prefix>L:` and its bucket index at
+-- `<index>:L`; the lanes ZSET holds each lane's earliest due time. Lane "" holds the
+-- tasks stored before lanes (layout format 1) under the partition's own index and
+-- prefix, and is not in the lanes ZSET: scripts read its index head directly.
+--
+-- A stored message is its bucket's start (4 bytes, big-endian); then, in a named lane,
+-- a NUL, the lane's length (1 byte) and the lane; then the task's envelope (which never
+-- starts with a NUL).
 
 -- The bucket start a stored message records.
 local function bucket_of(message)
   return (struct.unpack('>I4', message))
 end
 
+-- The lane a stored message records ('' for a message stored before lanes).
+local function lane_of(message)
+  if string.byte(message, 5) ~= 0 then return '' end
+  return string.sub(message, 7, 6 + string.byte(message, 6))
+end
+
 -- The envelope of a stored message.
 local function envelope_of(message)
-  return string.sub(message, 5)
+  if string.byte(message, 5) ~= 0 then return string.sub(message, 5) end
+  return string.sub(message, 7 + string.byte(message, 6))
 end
 
 -- The start of the bucket of due time `due` (ms), buckets `width` seconds wide.
@@ -17,17 +34,61 @@ local function bucket_for(due, width)
   return math.floor(due / 1000 / width) * width
 end
 
--- After tasks left bucket `bucket` (key `key`): its index entry becomes its earliest
--- remaining due time, or goes with the emptied bucket.
-local function refresh_bucket(index, key, bucket)
-  local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  if rest[2] then redis.call('ZADD', index, rest[2], bucket) else redis.call('ZREM', index, bucket) end
+-- The bucket index and bucket key prefix of lane `lane` of the partition whose own (lane
+-- "") index and prefix are `index` and `prefix`.
+local function lane_keys(index, prefix, lane)
+  if lane == '' then return index, prefix end
+  return index .. ':' .. lane, prefix .. lane .. ':'
 end
 
--- Put task `id` in bucket `bucket` (key prefix `prefix`) at due time `due`, its stored
--- `message` recording the bucket.
-local function put_in_bucket(index, msgs, prefix, bucket, id, due, message)
-  redis.call('ZADD', prefix .. bucket, due, id)
-  redis.call('ZADD', index, 'LT', due, bucket)
-  redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. envelope_of(message))
+-- The lanes of a partition: lane "" first, then each named lane.
+local function all_lanes(lanes)
+  local out = redis.call('ZRANGE', lanes, 0, -1)
+  table.insert(out, 1, '')
+  return out
+end
+
+-- The partition's earliest due time (ms) over every lane, or nil when it holds no task.
+local function earliest_due(lanes, index)
+  local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
+  local named = redis.call('ZRANGE', lanes, 0, 0, 'WITHSCORES')[2]
+  if first == nil then first = named elseif named ~= nil then first = math.min(tonumber(first), tonumber(named)) end
+  return first and tonumber(first)
+end
+
+-- After tasks left bucket `bucket` (key `key`) of lane `lane` (index `lane_index`): its
+-- index entry becomes its earliest remaining due time, or goes with the emptied bucket,
+-- and so does the lane's entry in the lanes ZSET.
+local function refresh_bucket(lanes, lane_index, key, bucket, lane)
+  local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if rest[2] then redis.call('ZADD', lane_index, rest[2], bucket) else redis.call('ZREM', lane_index, bucket) end
+  if lane ~= '' then
+    local head = redis.call('ZRANGE', lane_index, 0, 0, 'WITHSCORES')
+    if head[2] then redis.call('ZADD', lanes, head[2], lane) else redis.call('ZREM', lanes, lane) end
+  end
+end
+
+-- The bucket key of stored message `message`.
+local function bucket_key_of(index, prefix, message)
+  local _, lane_prefix = lane_keys(index, prefix, lane_of(message))
+  return lane_prefix .. bucket_of(message)
+end
+
+-- Take task `id` (stored as `message`) out of its bucket, refreshing the indexes.
+local function take_from_bucket(lanes, index, prefix, id, message)
+  local lane, bucket = lane_of(message), bucket_of(message)
+  local lane_index, lane_prefix = lane_keys(index, prefix, lane)
+  redis.call('ZREM', lane_prefix .. bucket, id)
+  refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
+end
+
+-- Put task `id` in bucket `bucket` of its lane at due time `due`, its stored `message`
+-- (lane and envelope kept) recording the bucket.
+local function put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
+  local lane = lane_of(message)
+  local lane_index, lane_prefix = lane_keys(index, prefix, lane)
+  redis.call('ZADD', lane_prefix .. bucket, due, id)
+  redis.call('ZADD', lane_index, 'LT', due, bucket)
+  if lane ~= '' then redis.call('ZADD', lanes, 'LT', due, lane) end
+  redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. string.sub(message, 5))
 end

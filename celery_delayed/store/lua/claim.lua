@@ -4,18 +4,21 @@
 -- a task that arrives early until its due time). Claimed tasks move to the inflight set with a visibility
 -- deadline; the poller removes them (ack.lua) once Kafka confirmed delivery.
 -- Inflight tasks past their deadline (their claimer died) become due again.
--- Due tasks are taken bucket by bucket in the index's order; a bucket left with
--- tasks gets its new earliest due time in the index, an emptied one leaves it.
+-- Each lane (queue, see _buckets.lua) with due tasks gets an equal share of the
+-- claim, and what a lane leaves of its share goes to the lanes that filled theirs:
+-- a backlog of one queue never holds another queue's due tasks behind it. Within
+-- a lane, due tasks are taken bucket by bucket in its index's order; a bucket left
+-- with tasks gets its new earliest due time in the index, an emptied one leaves it.
 --
--- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] fence STRING
--- KEYS[5] last claim stamp STRING
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
+-- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
 -- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 --- @include _buckets
-local index, msgs, inflight, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix = ARGV[4]
 local token = tonumber(ARGV[1])
 local fence = tonumber(redis.call('GET', fence_key) or '0')
@@ -36,7 +39,7 @@ local expired = redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 
 local bucket = bucket_for(now, width)
 for _, id in ipairs(expired) do
   local message = redis.call('HGET', msgs, id)
-  if message then put_in_bucket(index, msgs, prefix, bucket, id, now, message) end
+  if message then put_in_bucket(lanes, index, msgs, prefix, bucket, id, now, message) end
   redis.call('ZREM', inflight, id)
 end
 
@@ -46,37 +49,58 @@ local last = tonumber(redis.call('GET', stamp_key) or '0')
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', stamp_key, deadline)
 local out = {now, -1, deadline}
-local left = limit
-local buckets = redis.call('ZRANGE', index, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, limit)
-for _, b in ipairs(buckets) do
-  if left <= 0 then break end
-  local key = prefix .. b
-  local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
-  if #due > 0 then
-    -- one variadic call per step, not one per task (ARGV[2] <= 5000: within unpack's reach);
-    -- the due are the bucket's first by rank, so they leave by rank, without a lookup each
-    local ids = {}
-    for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
-    redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
-    local messages = redis.call('HMGET', msgs, unpack(ids))
-    local claimed = {}
-    for j, id in ipairs(ids) do
-      if messages[j] then
-        claimed[#claimed + 1] = deadline
-        claimed[#claimed + 1] = id
-        out[#out + 1] = id
-        out[#out + 1] = due[2 * j]
-        out[#out + 1] = envelope_of(messages[j])
+
+-- Claim up to `most` due tasks of lane `lane`; returns how many ids it took.
+local function take(lane, most)
+  local lane_index, lane_prefix = lane_keys(index, prefix, lane)
+  local left = most
+  local buckets = redis.call('ZRANGE', lane_index, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, most)
+  for _, b in ipairs(buckets) do
+    if left <= 0 then break end
+    local key = lane_prefix .. b
+    local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
+    if #due > 0 then
+      -- one variadic call per step, not one per task (ARGV[2] <= 5000: within unpack's reach);
+      -- the due are the bucket's first by rank, so they leave by rank, without a lookup each
+      local ids = {}
+      for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
+      redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
+      local messages = redis.call('HMGET', msgs, unpack(ids))
+      local claimed = {}
+      for j, id in ipairs(ids) do
+        if messages[j] then
+          claimed[#claimed + 1] = deadline
+          claimed[#claimed + 1] = id
+          out[#out + 1] = id
+          out[#out + 1] = due[2 * j]
+          out[#out + 1] = envelope_of(messages[j])
+        end
       end
+      for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
+        redis.call('ZADD', inflight, unpack(claimed, i, math.min(i + 1999, #claimed)))
+      end
+      left = left - #ids
     end
-    for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
-      redis.call('ZADD', inflight, unpack(claimed, i, math.min(i + 1999, #claimed)))
-    end
-    left = left - #ids
+    refresh_bucket(lanes, lane_index, key, b, lane)
   end
-  refresh_bucket(index, key, b)
+  return most - left
 end
 
-local head = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
-if head[2] then out[2] = tonumber(head[2]) end
+-- the due lanes: each named lane whose earliest task is due, and lane "" when its is
+local open = redis.call('ZRANGE', lanes, '-inf', horizon, 'BYSCORE')
+local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
+if first and tonumber(first) <= horizon then table.insert(open, 1, '') end
+local left = limit
+while left > 0 and #open > 0 do
+  local full = {}  -- the lanes that took their whole share, and may hold more due tasks
+  for i, lane in ipairs(open) do
+    local share = math.ceil(left / (#open - i + 1))
+    local took = take(lane, share)
+    left = left - took
+    if took == share then full[#full + 1] = lane end
+  end
+  open = full
+end
+
+out[2] = earliest_due(lanes, index) or -1
 return out

@@ -2,17 +2,17 @@
 -- a short delay (by Redis' clock), so a Kafka outage delays tasks but loses none.
 -- Only a copy still in flight under the claim that produced it moves (see
 -- ack.lua): a newer copy scheduled meanwhile already stands on its own.
--- Each goes to the bucket of its new due time; its message records that bucket.
+-- Each goes to the bucket of its new due time in its lane; its message records that bucket.
 -- The bucket is written before the task leaves inflight: on a Redis Cluster slot
 -- migration a bucket key (built here, not declared) can fail mid-script, and the
 -- task must then still be in flight, to come back after its visibility timeout.
 --
--- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms,
 -- then pairs: task id, claim stamp
 -- Returns the number of tasks returned.
 --- @include _buckets
-local index, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
+local index, msgs, inflight, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, width, delay = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + delay
@@ -22,7 +22,7 @@ for i = 4, #ARGV, 2 do
   local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
   local message = redis.call('HGET', msgs, id)
   if message and tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
-    put_in_bucket(index, msgs, prefix, bucket, id, due, message)
+    put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
     redis.call('ZREM', inflight, id)
     n = n + 1
   end

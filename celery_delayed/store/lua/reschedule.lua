@@ -1,30 +1,30 @@
--- Move a scheduled task to a new due time, and so to the bucket of that time
--- (the old bucket's index entry is refreshed as in cancel.lua). A task already
+-- Move a scheduled task to a new due time, and so to the bucket of that time in
+-- its lane (the old bucket's index entry is refreshed as in cancel.lua). A task already
 -- claimed by a poller is being dispatched and cannot be moved; neither can an
 -- unknown id. When the task becomes the partition's earliest, the pollers are
 -- woken (PUBLISH).
 --
--- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET
+-- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix   ARGV[3] bucket width s
 -- ARGV[4] task id   ARGV[5] new due ms
 -- Returns 1 when moved, 0 when unknown, -1 when in flight (store.Change).
 --- @include _buckets
-local index, msgs, inflight = KEYS[1], KEYS[2], KEYS[3]
+local index, msgs, inflight, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local channel, prefix, width, id, due = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local message = redis.call('HGET', msgs, id)
 if not message then return 0 end
 if redis.call('ZSCORE', inflight, id) then return -1 end
-local old, bucket = bucket_of(message), bucket_for(due, width)
+local bucket = bucket_for(due, width)
+local _, lane_prefix = lane_keys(index, prefix, lane_of(message))
 -- read both bucket keys before any write: on a Redis Cluster slot migration an
 -- undeclared key fails here, with nothing changed yet
-redis.call('EXISTS', prefix .. old)
-redis.call('EXISTS', prefix .. bucket)
-redis.call('ZREM', prefix .. old, id)
-refresh_bucket(index, prefix .. old, old)
+redis.call('EXISTS', lane_prefix .. bucket_of(message))
+redis.call('EXISTS', lane_prefix .. bucket)
+take_from_bucket(lanes, index, prefix, id, message)
 
-local head = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')
-put_in_bucket(index, msgs, prefix, bucket, id, due, message)
-if head[2] == nil or due < tonumber(head[2]) then
+local head = earliest_due(lanes, index)
+put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
+if head == nil or due < head then
   redis.call('PUBLISH', channel, due)
 end
 return 1

@@ -9,11 +9,12 @@
 --    still scheduled is kept (callers may safely retry);
 --  * an older attempt (a late duplicate) never replaces anything.
 -- Within one call, the first copy of an id wins.
--- Each task goes to the small sorted set of its time bucket; the bucket index
--- keeps each bucket's earliest due time (ZADD LT). The client sends every
--- message already behind its 4-byte bucket start (how cancel and reschedule
--- find a task's bucket from its id), so this script only reads it back. One
--- ZADD per bucket and one for the index, whatever the number of tasks.
+-- Each task goes to the small sorted set of its time bucket in its lane (its queue,
+-- see _buckets.lua); the lane's bucket index keeps each bucket's earliest due time
+-- (ZADD LT), the lanes ZSET each lane's. The client sends every message already
+-- behind its bucket start and lane (how cancel and reschedule find a task's bucket
+-- from its id), so this script only reads them back. One ZADD per bucket and one
+-- per lane for the indexes, whatever the number of tasks.
 -- Every write that adds comes before any that removes, and every bucket key a
 -- replacement touches is read first: on a Redis Cluster slot migration an
 -- undeclared key fails the script early, never leaving a task in no bucket.
@@ -21,12 +22,13 @@
 -- woken (PUBLISH) so they need not wait for their current sleep to end.
 --
 -- KEYS[1] bucket index ZSET (bucket start s -> earliest due ms)   KEYS[2] msg HASH   KEYS[3] inflight ZSET
--- KEYS[4] attempt HASH (id -> attempt number, for attempts after the first)
+-- KEYS[4] lanes ZSET (lane -> earliest due ms)
+-- KEYS[5] attempt HASH (id -> attempt number, for attempts after the first)
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix
--- then quads: task_id, due_ms, attempt, bucket start (4 bytes) + envelope (at most 256: unpack() has limits)
+-- then quads: task_id, due_ms, attempt, bucket start (4 bytes) + lane + envelope (at most 256: unpack() has limits)
 -- Returns {added, replaced, kept}: new ids, ids whose stored copy was replaced, ids kept as stored.
 --- @include _buckets
-local index_key, msgs, inflight, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local index_key, msgs, inflight, lanes, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local channel, prefix = ARGV[1], ARGV[2]
 local ids = {}
 for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
@@ -49,7 +51,7 @@ for n, id in ipairs(ids) do
       if flying then
         superseded[#superseded + 1] = id
       else
-        moved[#moved + 1] = {id, bucket_of(stored[n]), bucket_of(message)}
+        moved[#moved + 1] = {id, stored[n], bucket_key_of(index_key, prefix, message)}
       end
     else
       kept = kept + 1
@@ -61,12 +63,12 @@ for n, id in ipairs(ids) do
       numbered[#numbered + 1] = id
       numbered[#numbered + 1] = attempt
     end
-    local bucket = bucket_of(message)
-    local members = buckets[bucket]
+    local key = bucket_key_of(index_key, prefix, message)
+    local members = buckets[key]
     if members == nil then
       members = {}
-      buckets[bucket] = members
-      order[#order + 1] = bucket
+      buckets[key] = members
+      order[#order + 1] = {key, lane_of(message), bucket_of(message)}
     end
     members[#members + 1] = due
     members[#members + 1] = id
@@ -77,18 +79,29 @@ for n, id in ipairs(ids) do
   end
 end
 if earliest == nil then return {0, 0, kept} end
-for _, entry in ipairs(moved) do redis.call('EXISTS', prefix .. entry[2]) end
-local head = redis.call('ZRANGE', index_key, 0, 0, 'WITHSCORES')
-local index = {}
-for _, bucket in ipairs(order) do
-  local members = buckets[bucket]
-  redis.call('ZADD', prefix .. bucket, unpack(members))
+for _, entry in ipairs(moved) do redis.call('EXISTS', bucket_key_of(index_key, prefix, entry[2])) end
+local head = earliest_due(lanes, index_key)
+local index, lane_order = {}, {}  -- per lane: its index entries; the lanes in first-seen order
+for _, entry in ipairs(order) do
+  local key, lane, bucket = entry[1], entry[2], entry[3]
+  local members = buckets[key]
+  redis.call('ZADD', key, unpack(members))
   local first = tonumber(members[1])
   for i = 3, #members, 2 do first = math.min(first, tonumber(members[i])) end
-  index[#index + 1] = first
-  index[#index + 1] = bucket
+  local entries = index[lane]
+  if entries == nil then
+    entries = {first = first}
+    index[lane] = entries
+    lane_order[#lane_order + 1] = lane
+  end
+  entries[#entries + 1] = first
+  entries[#entries + 1] = bucket
+  entries.first = math.min(entries.first, first)
 end
-redis.call('ZADD', index_key, 'LT', unpack(index))
+for _, lane in ipairs(lane_order) do
+  redis.call('ZADD', (lane_keys(index_key, prefix, lane)), 'LT', unpack(index[lane]))
+  if lane ~= '' then redis.call('ZADD', lanes, 'LT', index[lane].first, lane) end
+end
 redis.call('HSET', msgs, unpack(messages))
 if #numbered > 0 then redis.call('HSET', attempts, unpack(numbered)) end
 for _, id in ipairs(superseded) do redis.call('ZREM', inflight, id) end
@@ -96,10 +109,12 @@ for _, id in ipairs(superseded) do redis.call('ZREM', inflight, id) end
 -- it), and that bucket's index entry becomes its earliest remaining due time
 for _, entry in ipairs(moved) do
   local id, old, new = entry[1], entry[2], entry[3]
-  if old ~= new then redis.call('ZREM', prefix .. old, id) end
-  refresh_bucket(index_key, prefix .. old, old)
+  local lane, bucket = lane_of(old), bucket_of(old)
+  local lane_index, lane_prefix = lane_keys(index_key, prefix, lane)
+  if lane_prefix .. bucket ~= new then redis.call('ZREM', lane_prefix .. bucket, id) end
+  refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
 end
-if head[2] == nil or earliest < tonumber(head[2]) then
+if head == nil or earliest < head then
   redis.call('PUBLISH', channel, earliest)
 end
 return {#messages / 2 - #superseded - #moved, #superseded + #moved, kept}

@@ -7,13 +7,16 @@
 -- neither a removal nor an insertion before it shifts the read, and a long run
 -- of tasks due at one time costs O(log n) to enter, not a scan.
 --
--- KEYS[1] bucket index ZSET
+-- Every lane (_buckets.lua) is read that way, and the lanes' tasks merged.
+--
+-- KEYS[1] bucket index ZSET   KEYS[2] lanes ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s
 -- ARGV[3] position's due ms ('' = from the earliest task)
 -- ARGV[4] position's stored id ('' = every task due at ARGV[3] or later)
 -- ARGV[5] most tasks to return
 -- Returns {id, due_ms, id, due_ms, ...}.
-local index = KEYS[1]
+--- @include _buckets
+local index, lanes = KEYS[1], KEYS[2]
 local prefix, width, due, after, count = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local start, from, first = nil, '-inf', nil
 if due ~= '' then
@@ -44,17 +47,36 @@ local function rank_after(key)
   return lo
 end
 
-local out, offset = {}, 0
-while #out < 2 * count do
-  local buckets = redis.call('ZRANGE', index, from, '+inf', 'BYSCORE', 'LIMIT', offset, 64)
-  if #buckets == 0 then break end
-  offset = offset + #buckets
-  for _, b in ipairs(buckets) do
-    local key = prefix .. b
-    local rank = (first and tonumber(b) == first) and rank_after(key) or 0
-    local rows = redis.call('ZRANGE', key, rank, rank + count - #out / 2 - 1, 'WITHSCORES')
-    for i = 1, #rows do out[#out + 1] = rows[i] end
-    if #out >= 2 * count then break end
+-- The first `count` tasks after the position in one lane, as {id, due} rows.
+local function read(lane_index, lane_prefix)
+  local rows, offset = {}, 0
+  while #rows < count do
+    local buckets = redis.call('ZRANGE', lane_index, from, '+inf', 'BYSCORE', 'LIMIT', offset, 64)
+    if #buckets == 0 then break end
+    offset = offset + #buckets
+    for _, b in ipairs(buckets) do
+      local key = lane_prefix .. b
+      local rank = (first and tonumber(b) == first) and rank_after(key) or 0
+      local found = redis.call('ZRANGE', key, rank, rank + count - #rows - 1, 'WITHSCORES')
+      for i = 1, #found, 2 do rows[#rows + 1] = {found[i], found[i + 1]} end
+      if #rows >= count then break end
+    end
   end
+  return rows
+end
+
+local rows = {}
+for _, lane in ipairs(all_lanes(lanes)) do
+  for _, row in ipairs(read(lane_keys(index, prefix, lane))) do rows[#rows + 1] = row end
+end
+table.sort(rows, function(a, b)
+  local x, y = tonumber(a[2]), tonumber(b[2])
+  if x ~= y then return x < y end
+  return before(a[1], b[1])
+end)
+local out = {}
+for i = 1, math.min(count, #rows) do
+  out[#out + 1] = rows[i][1]
+  out[#out + 1] = rows[i][2]
 end
 return out

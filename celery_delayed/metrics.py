@@ -93,6 +93,8 @@ SKIPPED_REVOKED = Counter("celery_delayed_skipped_revoked",
 DEFERRED_DUPLICATES = Counter("celery_delayed_deferred_duplicates",
                               "Deliveries of tasks another copy of which was running, put back in the store")
 LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller leads", ["partition"])
+PAUSED = Gauge("celery_delayed_queue_paused", "1 for each queue this poller holds in the store (delayed pause)",
+               ["queue"])
 
 
 class StoreCollector(Collector):
@@ -139,13 +141,17 @@ class StoreCollector(Collector):
             inflight.add_metric([p], row["inflight"])
             overdue.add_metric([p], row["overdue"])
             overdue_age.add_metric([p], row["oldest_overdue_s"] or 0.0)
+        queue_overdue = GaugeMetricFamily("celery_delayed_queue_overdue", "Tasks of a queue past their due time "
+                                          "still in the store (held back, when it is paused)", labels=["queue"])
+        for lane in store.queues():
+            queue_overdue.add_metric([lane["queue"]], lane["overdue"])
         letters = DeadLetters(store)
         dead = GaugeMetricFamily("celery_delayed_dead_letters", "Messages in the dead-letter queue")
         dead.add_metric([], letters.count())
         dead_age = GaugeMetricFamily("celery_delayed_oldest_dead_letter_seconds",
                                      "How long ago the oldest message in the dead-letter queue was parked")
         dead_age.add_metric([], letters.oldest_age() or 0.0)
-        yield from (scheduled, inflight, overdue, overdue_age, dead, dead_age)
+        yield from (scheduled, inflight, overdue, overdue_age, queue_overdue, dead, dead_age)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
         from celery_delayed.kafka import fleet

@@ -99,7 +99,7 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time."""
     store = _load(ctx)[1]
     with _store_errors():
-        counts, now_ms = store.counts(), store.now_ms()
+        counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
     names = _task_names(ctx) if by_task else None
     if as_json:
         click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
@@ -112,6 +112,9 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
+    if paused:
+        console.print("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): " + ", ".join(
+            f"{queue} (since {_age((now_ms - since) / 1000)})" for queue, since in sorted(paused.items())))
     if names is not None:
         console.print(_task_table(names, now_ms))
 
@@ -406,6 +409,49 @@ def upcoming(ctx: click.Context, limit: int, after: str | None, as_json: bool) -
                    f"queue={item['queue']} partition={item['partition']}")
     if page.cursor:
         click.echo(f"next page: --after {page.cursor}")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.argument("queues", nargs=-1, required=True)
+@click.pass_context
+def pause(ctx: click.Context, queues: tuple[str, ...]) -> None:
+    """Hold QUEUES' tasks in the store, due or not, until resumed: every poller stops dispatching them
+    within a second, and after restarts and failovers."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        for queue in queues:
+            click.echo(f"{queue}: {'paused' if store.pause(queue) else 'already paused'}")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.argument("queues", nargs=-1, required=True)
+@click.pass_context
+def resume(ctx: click.Context, queues: tuple[str, ...]) -> None:
+    """Let QUEUES' tasks go again: the due ones at once, oldest first."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        for queue in queues:
+            click.echo(f"{queue}: {'resumed' if store.resume(queue) else 'was not paused'}")
+
+
+@delayed.command(cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per queue).")
+@click.pass_context
+def queues(ctx: click.Context, as_json: bool) -> None:
+    """Per queue with scheduled tasks, or paused: its overdue tasks (held back, when paused), its next due
+    time, whether it is paused."""
+    store = _load(ctx)[1]
+    with _store_errors():
+        rows, now_ms = store.queues(), store.now_ms()
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    table = Table("queue", "overdue", "next due", "paused")
+    for row in rows:
+        since = row["paused_since_ms"]
+        table.add_row(row["queue"] or "(stored before lanes)", str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
+                      "-" if since is None else f"since {_age((now_ms - since) / 1000)}")
+    console.print(table)
 
 
 @contextmanager

@@ -38,6 +38,8 @@ NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
 #: notices a resigned leader's partitions within this.
 LEADERSHIP_INTERVAL = 0.5
+#: How old (s) the paused queues this poller skips may be; a wake-up reads them again at once.
+PAUSED_REFRESH = 1.0
 
 
 class RateLimit:
@@ -91,6 +93,8 @@ class Poller:
         self._last_sweep = 0.0
         self._rotation = 0
         self._clock_offset_ms = 0  # Redis clock minus local clock
+        self._paused: tuple[str, ...] = ()  # the queues whose tasks stay in the store
+        self._paused_read = -PAUSED_REFRESH  # when they were read (monotonic s)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> None:
@@ -121,6 +125,7 @@ class Poller:
                 leader.join(timeout=self.settings.lease_ttl + 5)
                 self.leadership.release()
             metrics.LEADING.clear()
+            metrics.PAUSED.clear()
             logger.info("poller %s stopped: %s", self.leadership.id, self.stats)
 
     def _preflight(self) -> bool:
@@ -147,6 +152,7 @@ class Poller:
         ``max_sleep`` (which also returns a dead poller's expired claims to due).
         """
         produced = 0
+        self._read_paused()
         sweep = time.monotonic() - self._last_sweep >= self.settings.max_sleep
         if sweep:
             self._last_sweep = time.monotonic()
@@ -190,7 +196,7 @@ class Poller:
             if budget >= 1 and (nxt := next(due, None)):
                 partition, token = nxt
                 ahead.append((partition, token, budget,
-                              self._store_thread.submit(self.store.claim, partition, token, budget)))
+                              self._store_thread.submit(self.store.claim, partition, token, budget, self._paused)))
 
         send_next()
         while ahead:
@@ -204,6 +210,26 @@ class Poller:
             except STORE_ERRORS as exc:
                 logger.warning("claim of partition %d failed: %s", partition, exc)
                 failed = True
+
+    def _read_paused(self) -> None:
+        """Read the paused queues when the last read is :data:`PAUSED_REFRESH` old; a resumed one is
+        claimed at once.  The store down: the last read stands (the claims fail anyway)."""
+        if time.monotonic() - self._paused_read < PAUSED_REFRESH:
+            return
+        try:
+            paused = tuple(sorted(self.store.paused()))
+        except STORE_ERRORS as exc:
+            logger.warning("cannot read the paused queues: %s", exc)
+            return
+        self._paused_read = time.monotonic()
+        if paused != self._paused:
+            logger.info("paused queues: %s", ", ".join(paused) or "none")
+            if set(self._paused) - set(paused):
+                self._next_due.clear()
+            metrics.PAUSED.clear()
+            for queue in paused:
+                metrics.PAUSED.labels(queue).set(1)
+            self._paused = paused
 
     def _fenced(self, partition: int, token: int) -> None:
         """Hand a refused claim to the leadership, with the store's fences (see :meth:`Leadership.fenced`)."""
@@ -236,8 +262,10 @@ class Poller:
         self._next_due[partition] = 0
 
     def _on_wake(self, message: dict) -> None:
-        """A task was scheduled sooner than anything in its partition: look at every partition."""
+        """A task was scheduled sooner than anything in its lane, or a queue resumed: look at every
+        partition, and read the paused queues again."""
         self._next_due.clear()
+        self._paused_read = -PAUSED_REFRESH
         self._wake.set()
 
     def _on_pubsub_error(self, exc: BaseException, pubsub: object, thread: object) -> None:

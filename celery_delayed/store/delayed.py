@@ -33,8 +33,8 @@ import redis
 from celery_delayed.settings import ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
-from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, READS_FORMATS, due_ms_of,
-    lane_of, member_of, partition_of, stored_message, task_id_of)
+from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
+    due_ms_of, lane_of, member_of, partition_of, stored_message, task_id_of)
 from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
 from celery_delayed.store.scripts import Scripts
@@ -237,14 +237,14 @@ class DelayedStore(Inspection):
         return seconds * 1000 + micros // 1000
 
     # -- dispatch ------------------------------------------------------------
-    def claim(self, partition: int, token: int, limit: int) -> Claim:
+    def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = ()) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
-        and return them."""
+        and return them, none of the ``paused`` queues'."""
         keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition)]
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
                                                self.keys.bucket_prefix(partition), BUCKET_SECONDS,
-                                               int(self.settings.dispatch_lead * 1000)])
+                                               int(self.settings.dispatch_lead * 1000), *paused])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
@@ -268,6 +268,21 @@ class DelayedStore(Inspection):
         return sum(self._call("nack", self.keys.core(partition),
                               [self.keys.bucket_prefix(partition), BUCKET_SECONDS, delay_ms, *_pairs(chunk)])
                    for chunk in _chunks(claimed, SCRIPT_PAIRS))
+
+    # -- pausing queues --------------------------------------------------------
+    def pause(self, queue: str) -> bool:
+        """Hold ``queue``'s tasks in the store, due or not, until :meth:`resume`: every poller stops
+        claiming them within a second.  False when it was paused already (it stays paused since then)."""
+        if not queue or len(queue.encode()) > MAX_LANE:
+            raise ValueError(f"a queue to pause must be a name of 1 to {MAX_LANE} bytes, got {queue!r}")
+        return bool(self._call_redis(self.redis.hsetnx, self.keys.paused, queue, self.now_ms()))
+
+    def resume(self, queue: str) -> bool:
+        """Let ``queue``'s tasks go again, due ones oldest first; wakes the pollers.  False when it was
+        not paused."""
+        resumed = bool(self._call_redis(self.redis.hdel, self.keys.paused, queue))
+        self._call_redis(self.redis.publish, self.keys.wake, 0)
+        return resumed
 
     # -- layout --------------------------------------------------------------
     def layout(self) -> dict[str, int]:

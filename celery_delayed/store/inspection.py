@@ -206,18 +206,44 @@ class Inspection:
         ``next_due_ms`` (its earliest task, overdue or not), ``oldest_overdue_s`` (how long that
         one is past due, None when nothing is overdue) and ``upcoming_due_ms`` (the earliest
         task not yet due)."""
-        now_ms = self.now_ms()
-        pipe = self.redis.pipeline(transaction=False)
-        for p in range(self.settings.partitions):
-            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
-                                   client=pipe)
+        now_ms, replies = self._counts()
         rows = []
-        for p, (scheduled, inflight, overdue, next_due, upcoming) in enumerate(self.execute(pipe)):
+        for p, (scheduled, inflight, overdue, next_due, upcoming, *_) in enumerate(replies):
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
                          "next_due_ms": next_due if next_due >= 0 else None,
                          "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
                          "upcoming_due_ms": upcoming if upcoming >= 0 else None})
         return rows
+
+    def queues(self) -> list[dict]:
+        """Per queue holding tasks or paused, by name: ``overdue`` (due, still waiting: a paused queue's
+        held back tasks), ``next_due_ms`` (its earliest task) and ``paused_since_ms`` (None when not
+        paused).  Queue "" stands for the tasks stored before lanes (any queue; never paused)."""
+        paused = self.paused()
+        lanes: dict[str, dict] = {queue: {"queue": queue, "overdue": 0, "next_due_ms": None,
+                                          "paused_since_ms": since} for queue, since in paused.items()}
+        for reply in self._counts()[1]:
+            for i in range(5, len(reply), 3):
+                queue = reply[i].decode()
+                lane = lanes.setdefault(queue, {"queue": queue, "overdue": 0, "next_due_ms": None,
+                                                "paused_since_ms": paused.get(queue)})
+                lane["overdue"] += reply[i + 1]
+                lane["next_due_ms"] = min(filter(None, (lane["next_due_ms"], reply[i + 2])))
+        return sorted(lanes.values(), key=lambda lane: lane["queue"])
+
+    def paused(self) -> dict[str, int]:
+        """The paused queues (:meth:`.DelayedStore.pause`), each with when it was paused (ms, Redis clock)."""
+        return {queue.decode(): int(since) for queue, since in self._call_redis(self.redis.hgetall,
+                                                                               self.keys.paused).items()}
+
+    def _counts(self) -> tuple[int, list[list]]:
+        """Redis' clock now, and per partition the reply of ``lua/counts.lua``."""
+        now_ms = self.now_ms()
+        pipe = self.redis.pipeline(transaction=False)
+        for p in range(self.settings.partitions):
+            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
+                                   client=pipe)
+        return now_ms, self.execute(pipe)
 
     def fences(self) -> list[int]:
         """Per partition, the highest fencing token that has claimed it (0 = none yet)."""

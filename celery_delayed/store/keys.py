@@ -33,6 +33,7 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{dlq}:index", "ZSET", "dead letters: id -> when parked (ms)"),
     ("<prefix>:{dlq}:wait", "STRING", "as {p}:wait, for the dead letters' node"),
     ("<prefix>:layout", "STRING", "partitions, bucket width and format every process must agree on"),
+    ("<prefix>:paused", "HASH", "paused queue -> when it was paused (ms, Redis clock); pollers skip its lane"),
     ("<prefix>:wake", "channel", "pub/sub: a sooner task was scheduled, pollers wake"),
     ("/<prefix>/leader/<p>", "etcd", "the partition's leader (a poller id), under its lease"),
     ("/<prefix>/pollers/<id>", "etcd", "live pollers, each under its lease"),
@@ -47,6 +48,7 @@ class Keys:
         self.prefix = prefix
         self.wake = f"{prefix}:wake"
         self.layout = f"{prefix}:layout"
+        self.paused = f"{prefix}:paused"
         self.dlq = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
         self.dlq_wait = f"{prefix}:{{dlq}}:wait"
         self.etcd_root = f"/{prefix}"

@@ -54,3 +54,15 @@ def test_status_counts_scheduled_tasks(overrides):
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert len(rows) == 4 and sum(r["scheduled"] for r in rows) == 7
+
+
+def test_pause_queues_and_resume_a_queue_from_the_command_line(overrides):
+    queue = f"{overrides['task_default_queue']}-bulk"
+    done = celery(overrides, "delayed", "pause", queue)
+    assert done.returncode == 0 and f"{queue}: paused" in done.stdout, done.stderr
+    assert f"{queue}: already paused" in celery(overrides, "delayed", "pause", queue).stdout
+    rows = json.loads(celery(overrides, "delayed", "queues", "--json").stdout)
+    assert [(row["queue"], row["overdue"]) for row in rows] == [(queue, 0)] and rows[0]["paused_since_ms"]
+    assert "paused queues (their tasks stay in the store" in celery(overrides, "delayed", "status").stdout
+    assert f"{queue}: resumed" in celery(overrides, "delayed", "resume", queue).stdout
+    assert json.loads(celery(overrides, "delayed", "queues", "--json").stdout) == []

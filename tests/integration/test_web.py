@@ -423,3 +423,22 @@ def test_a_store_that_is_down_is_a_503_on_every_page(overrides):
         assert client.request("/dead-letters")[0] == 503
     finally:
         server.stop()
+
+
+def test_a_queue_is_paused_and_resumed_from_the_overview_and_its_api(app, server):
+    now = int(time.time() * 1000)
+    _schedule(app, now)
+    store, client = store_of(app), Client(server.url)
+    status, page = client.request("/queues/pause", {"queue": "mail"})  # the overview's form
+    assert status == 200 and "mail" in store.paused()
+    assert 'name="queue" value="mail"><button type="submit" class="">Resume</button>' in page
+    status, overview = client.json("/api/overview")
+    queues = {row["queue"]: row for row in overview["queues"]}
+    assert queues["mail"]["paused_since_ms"] == store.paused()["mail"] and queues["web"]["paused_since_ms"] is None
+    assert queues["mail"]["next_due_ms"] == now + MINUTE
+    status, done = client.json("/api/queues/pause", {"queue": "mail"})
+    assert status == 200 and done == {"queue": "mail", "paused": True, "changed": False}
+    status, done = client.json("/api/queues/resume", {"queue": "mail"})
+    assert status == 200 and done["changed"] and store.paused() == {}
+    status, error = client.json("/api/queues/pause", {"queue": ""})
+    assert status == 400 and "a queue to pause must be a name" in error["error"]

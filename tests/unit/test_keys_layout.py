@@ -33,6 +33,7 @@ BUILT = {
     "<prefix>:{dlq}:index": K.dlq[1],
     "<prefix>:{dlq}:wait": K.dlq_wait,
     "<prefix>:layout": K.layout,
+    "<prefix>:paused": K.paused,
     "<prefix>:wake": K.wake,
     "/<prefix>/leader/<p>": K.leader("<p>"),
     "/<prefix>/pollers/<id>": K.poller("<id>"),

@@ -217,6 +217,13 @@ class TaskAction(Base):
         self.done(data, f"/tasks/{_quote(task_id)}")
 
 
+class QueueAction(Base):
+    async def post(self, action: str) -> None:
+        """Pause or resume the queue named by the ``queue`` argument."""
+        data = await self.call(self.views.queue_action, self.get_argument("queue", ""), action)
+        self.done(data, "/#queues")
+
+
 class Bulk(Base):
     async def post(self) -> None:
         now_ms = await self.call(self.views.store.now_ms)
@@ -283,6 +290,7 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
     init = {"views": views, "basic_auth": basic_auth, "token": token, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
               (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", TaskAction), (r"/bulk", Bulk),
+              (r"/queues/(pause|resume)", QueueAction),
               (r"/jobs/(\w+)", JobPage), (r"/dead-letters", DeadLetterList),
               (r"/bulk/dead-letters/(requeue|purge)", DeadLettersAction), (r"/dead-letters/([^/]+)", DeadLetter),
               (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetterAction)]

@@ -67,8 +67,9 @@ class Views:
     # -- overview ------------------------------------------------------------
     def overview(self) -> dict[str, Any]:
         """Per partition and in all: scheduled, in flight, overdue, next due, the leader and its lease;
-        dead letters; the load histogram; the pollers' dispatch rate and lag when their metrics are given;
-        the tasks per task name (None while the first count runs)."""
+        per queue: overdue, next due, paused since; dead letters; the load histogram; the pollers'
+        dispatch rate and lag when their metrics are given; the tasks per task name (None while the
+        first count runs)."""
         now_ms = self.store.now_ms()
         rows = self.store.counts()
         lead, etcd_error = self._leaders()
@@ -76,7 +77,8 @@ class Views:
             row.update(lead.get(row["partition"], {"poller": None, "lease_ttl_s": None}))
         summed = {**totals(rows), "led": sum(1 for r in rows if r["poller"]),
                   "pollers": len({r["poller"] for r in rows if r["poller"]})}
-        return {"now_ms": now_ms, "totals": summed, "partitions": rows, "etcd_error": etcd_error,
+        return {"now_ms": now_ms, "totals": summed, "partitions": rows, "queues": self.store.queues(),
+                "etcd_error": etcd_error,
                 "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
                 "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
                               "next_days": self._far.get()},
@@ -132,6 +134,11 @@ class Views:
         to_ms, shift_ms = browse.parse_move(eta, shift, self.store.now_ms())
         due_ms = browse.move(self.store, task_id, to_ms=to_ms, shift_ms=shift_ms)
         return {"task_id": task_id, "due_ms": due_ms}
+
+    def queue_action(self, queue: str, action: str) -> dict[str, Any]:
+        """Pause or resume a queue (:meth:`.DelayedStore.pause`); ``changed`` False when it already was."""
+        changed = self.store.pause(queue) if action == "pause" else self.store.resume(queue)
+        return {"queue": queue, "paused": action == "pause", "changed": changed}
 
     def run_now(self, task_id: str) -> dict[str, Any]:
         return {"task_id": task_id, "due_ms": browse.move(self.store, task_id, to_ms=self.store.now_ms())}

@@ -48,12 +48,24 @@ local function all_lanes(lanes)
   return out
 end
 
--- The partition's earliest due time (ms) over every lane, or nil when it holds no task.
-local function earliest_due(lanes, index)
+-- The partition's earliest due time (ms) over every lane but those in set `paused` (a
+-- table lane -> true, of `skip` lanes), or nil when no such lane holds a task.
+local function earliest_due(lanes, index, paused, skip)
   local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
-  local named = redis.call('ZRANGE', lanes, 0, 0, 'WITHSCORES')[2]
-  if first == nil then first = named elseif named ~= nil then first = math.min(tonumber(first), tonumber(named)) end
+  local heads = redis.call('ZRANGE', lanes, 0, skip or 0, 'WITHSCORES')
+  for i = 1, #heads, 2 do
+    if not (paused and paused[heads[i]]) then
+      if first == nil or tonumber(heads[i + 1]) < tonumber(first) then first = heads[i + 1] end
+      break
+    end
+  end
   return first and tonumber(first)
+end
+
+-- The earliest due time (ms) of lane index `lane_index`, or nil when the lane is empty.
+local function lane_head(lane_index)
+  local head = redis.call('ZRANGE', lane_index, 0, 0, 'WITHSCORES')[2]
+  return head and tonumber(head)
 end
 
 -- After tasks left bucket `bucket` (key `key`) of lane `lane` (index `lane_index`): its
@@ -63,8 +75,8 @@ local function refresh_bucket(lanes, lane_index, key, bucket, lane)
   local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   if rest[2] then redis.call('ZADD', lane_index, rest[2], bucket) else redis.call('ZREM', lane_index, bucket) end
   if lane ~= '' then
-    local head = redis.call('ZRANGE', lane_index, 0, 0, 'WITHSCORES')
-    if head[2] then redis.call('ZADD', lanes, head[2], lane) else redis.call('ZREM', lanes, lane) end
+    local head = lane_head(lane_index)
+    if head then redis.call('ZADD', lanes, head, lane) else redis.call('ZREM', lanes, lane) end
   end
 end
 

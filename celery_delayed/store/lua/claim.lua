@@ -9,12 +9,15 @@
 -- a backlog of one queue never holds another queue's due tasks behind it. Within
 -- a lane, due tasks are taken bucket by bucket in its index's order; a bucket left
 -- with tasks gets its new earliest due time in the index, an emptied one leaves it.
+-- A paused lane (a paused queue, ARGV[7...]) gives nothing, and its due time is
+-- not the partition's next: its tasks wait in the store until it is resumed.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
+-- ARGV[7...] the paused lanes
 -- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 --- @include _buckets
@@ -32,6 +35,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
 local horizon = now + tonumber(ARGV[6])
+local paused = {}
+for i = 7, #ARGV do paused[ARGV[i]] = true end
 
 -- expired claims go back to the bucket of "now", message and all (bucket first, as
 -- in nack.lua, so a failure on an undeclared key leaves the task in flight)
@@ -86,8 +91,11 @@ local function take(lane, most)
   return most - left
 end
 
--- the due lanes: each named lane whose earliest task is due, and lane "" when its is
-local open = redis.call('ZRANGE', lanes, '-inf', horizon, 'BYSCORE')
+-- the due lanes: each named lane not paused whose earliest task is due, and lane "" when its is
+local open = {}
+for _, lane in ipairs(redis.call('ZRANGE', lanes, '-inf', horizon, 'BYSCORE')) do
+  if not paused[lane] then open[#open + 1] = lane end
+end
 local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
 if first and tonumber(first) <= horizon then table.insert(open, 1, '') end
 local left = limit
@@ -102,5 +110,5 @@ while left > 0 and #open > 0 do
   open = full
 end
 
-out[2] = earliest_due(lanes, index) or -1
+out[2] = earliest_due(lanes, index, paused, #ARGV - 6) or -1
 return out

@@ -6,27 +6,38 @@
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] now ms   ARGV[3] bucket width s
--- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1}.
+-- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1}, then per lane
+-- holding tasks: lane, its overdue tasks, its earliest due ms.
 --- @include _buckets
 local index, msgs, inflight_key, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, now, width = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local current = math.floor(now / 1000 / width) * width
 local inflight = redis.call('ZCARD', inflight_key)
-local overdue, upcoming = 0, nil
+local overdue, upcoming, per_lane = 0, nil, {}
 local function sooner(due)
   if due and (upcoming == nil or tonumber(due) < upcoming) then upcoming = tonumber(due) end
 end
 for _, lane in ipairs(all_lanes(lanes)) do
   local lane_index, lane_prefix = lane_keys(index, prefix, lane)
+  local late = 0
   for _, b in ipairs(redis.call('ZRANGE', lane_index, '-inf', now, 'BYSCORE')) do
     local key = lane_prefix .. b
     if tonumber(b) < current then
-      overdue = overdue + redis.call('ZCARD', key)
+      late = late + redis.call('ZCARD', key)
     else
-      overdue = overdue + redis.call('ZCOUNT', key, '-inf', now)
+      late = late + redis.call('ZCOUNT', key, '-inf', now)
       sooner(redis.call('ZRANGE', key, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')[2])
     end
   end
   sooner(redis.call('ZRANGE', lane_index, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')[2])
+  overdue = overdue + late
+  local head = lane_head(lane_index)
+  if head then
+    per_lane[#per_lane + 1] = lane
+    per_lane[#per_lane + 1] = late
+    per_lane[#per_lane + 1] = head
+  end
 end
-return {redis.call('HLEN', msgs) - inflight, inflight, overdue, earliest_due(lanes, index) or -1, upcoming or -1}
+local out = {redis.call('HLEN', msgs) - inflight, inflight, overdue, earliest_due(lanes, index) or -1, upcoming or -1}
+for _, value in ipairs(per_lane) do out[#out + 1] = value end
+return out

@@ -1,8 +1,8 @@
 -- Move a scheduled task to a new due time, and so to the bucket of that time in
 -- its lane (the old bucket's index entry is refreshed as in cancel.lua). A task already
 -- claimed by a poller is being dispatched and cannot be moved; neither can an
--- unknown id. When the task becomes the partition's earliest, the pollers are
--- woken (PUBLISH).
+-- unknown id. When the task becomes its lane's earliest, the pollers are woken
+-- (PUBLISH, as in schedule.lua).
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix   ARGV[3] bucket width s
@@ -22,7 +22,7 @@ redis.call('EXISTS', lane_prefix .. bucket_of(message))
 redis.call('EXISTS', lane_prefix .. bucket)
 take_from_bucket(lanes, index, prefix, id, message)
 
-local head = earliest_due(lanes, index)
+local head = lane_head((lane_keys(index, prefix, lane_of(message))))
 put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
 if head == nil or due < head then
   redis.call('PUBLISH', channel, due)

@@ -18,8 +18,9 @@
 -- Every write that adds comes before any that removes, and every bucket key a
 -- replacement touches is read first: on a Redis Cluster slot migration an
 -- undeclared key fails the script early, never leaving a task in no bucket.
--- When a new task is due sooner than everything already there, the pollers are
--- woken (PUBLISH) so they need not wait for their current sleep to end.
+-- When a new task is due sooner than everything already in its lane, the pollers
+-- are woken (PUBLISH) so they need not wait for their current sleep to end (a lane,
+-- not the partition: the partition's earliest task may be in a paused lane).
 --
 -- KEYS[1] bucket index ZSET (bucket start s -> earliest due ms)   KEYS[2] msg HASH   KEYS[3] inflight ZSET
 -- KEYS[4] lanes ZSET (lane -> earliest due ms)
@@ -80,12 +81,10 @@ for n, id in ipairs(ids) do
 end
 if earliest == nil then return {0, 0, kept} end
 for _, entry in ipairs(moved) do redis.call('EXISTS', bucket_key_of(index_key, prefix, entry[2])) end
-local head = earliest_due(lanes, index_key)
 local index, lane_order = {}, {}  -- per lane: its index entries; the lanes in first-seen order
 for _, entry in ipairs(order) do
   local key, lane, bucket = entry[1], entry[2], entry[3]
   local members = buckets[key]
-  redis.call('ZADD', key, unpack(members))
   local first = tonumber(members[1])
   for i = 3, #members, 2 do first = math.min(first, tonumber(members[i])) end
   local entries = index[lane]
@@ -98,6 +97,12 @@ for _, entry in ipairs(order) do
   entries[#entries + 1] = bucket
   entries.first = math.min(entries.first, first)
 end
+local wake = false
+for _, lane in ipairs(lane_order) do
+  local head = lane_head((lane_keys(index_key, prefix, lane)))
+  wake = wake or head == nil or index[lane].first < head
+end
+for _, entry in ipairs(order) do redis.call('ZADD', entry[1], unpack(buckets[entry[1]])) end
 for _, lane in ipairs(lane_order) do
   redis.call('ZADD', (lane_keys(index_key, prefix, lane)), 'LT', unpack(index[lane]))
   if lane ~= '' then redis.call('ZADD', lanes, 'LT', index[lane].first, lane) end
@@ -114,7 +119,5 @@ for _, entry in ipairs(moved) do
   if lane_prefix .. bucket ~= new then redis.call('ZREM', lane_prefix .. bucket, id) end
   refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
 end
-if head == nil or earliest < head then
-  redis.call('PUBLISH', channel, earliest)
-end
+if wake then redis.call('PUBLISH', channel, earliest) end
 return {#messages / 2 - #superseded - #moved, #superseded + #moved, kept}

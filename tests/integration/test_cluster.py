@@ -48,7 +48,8 @@ def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store)
             names[p].add(key.decode().split("}:", 1)[1].split(":")[0])
     assert sorted(where) == list(range(16))
     assert all(len(ports) == 1 for ports in where.values()), dict(where)
-    assert all(kinds == {"t", "buckets", "msg", "inflight", "fence", "stamp"} for kinds in names.values()), dict(names)
+    assert all(kinds == {"t", "buckets", "lanes", "msg", "inflight", "fence", "stamp"} for kinds in names.values()), \
+        dict(names)
     assert {port for ports in where.values() for port in ports} == set(nodes(store))
 
 

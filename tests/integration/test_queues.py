@@ -39,6 +39,22 @@ def test_a_paused_queue_gives_no_task_and_no_due_time_to_a_claim_until_it_is_res
         store.pause("")
 
 
+def test_a_task_due_soonest_in_its_queue_wakes_the_pollers_even_behind_a_paused_queues_overdue_tasks(overrides):
+    """A poller sleeps until its partitions' next due time, paused queues left out, so a task due sooner
+    than everything in its own queue must wake it, even when a paused queue's task is due sooner still."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    now = now_ms()
+    store.pause("bulk")
+    store.schedule_many(envelopes(5, "bulk", now - 60_000, prefix="bulk"))
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(store.keys.wake)
+    wait_for(lambda: pubsub.get_message(timeout=0.1) is None, 5, "the subscription")
+    store.schedule_many(envelopes(1, "other", now + 2000, prefix="other"))
+    message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up")
+    assert int(message["data"]) == now + 2000
+    pubsub.close()
+
+
 @pytest.mark.timeout(240)
 def test_a_paused_queue_stays_in_the_store_through_a_poller_kill_and_a_restart_then_goes_once(overrides, processes):
     """Two pollers lead the partitions; a queue is paused; one poller is killed (-9) and its standby takes

@@ -27,13 +27,19 @@ Reported per case: the default queue's lateness (first start - due) p50/p99/max,
 tasks due while the campaign was dispatched, against the baseline's (ratio); the campaign's
 storing time and its dispatch (first record, all records, tasks/s); PING p99/max.
 
-    python -m bench.burst [--quick] [--tasks 100000 1000000] [--rate 20]
+Last, the **paused** case: queue ``bulk`` paused and limited to :data:`PAUSED_RATE` tasks/s
+(``delayed_queue_rates``), :data:`PAUSED_POLLERS` pollers, ``--paused`` tasks on it all due at once
+and held :data:`PAUSED_HOLD` s past due: its records on its topic meanwhile (0 expected), then,
+resumed, its drain rate against the limit.
+
+    python -m bench.burst [--quick] [--tasks 100000 1000000] [--rate 20] [--paused 60000]
 
 Full profile: 100k and 1M (1M takes ~5 min to store here, ~3,300 tasks/s, and the run ~9 min in
-all; ``--tasks 100000`` skips it); ``--quick``: 20k (CI, ~70 s).  Writes bench/results/burst-<time>.json,
-.md and .png (the default queue's lateness over due time, and the campaign's records on its topic over
-time), the processes' logs in burst-<time>.logs/; a full run also as burst-latest.*.  Exits 1 when a
-default-queue task was not run, or a case failed.
+all; ``--tasks 100000`` skips it); ``--quick``: 20k and a paused 20k (CI, ~2 min).  Writes
+bench/results/burst-<time>.json, .md and .png (the default queue's lateness over due time, and the
+campaign's records on its topic over time), burst-<time>-paused.png (the paused queue's drain against
+its limit), the processes' logs in burst-<time>.logs/; a full run also as burst-latest.*.  Exits 1 when
+a default-queue task was not run, a paused task reached its topic before resume, or a case failed.
 """
 from __future__ import annotations
 
@@ -86,6 +92,9 @@ SAFETY, MARGIN = 1.4, 3.0
 CUTOFF = 1.5
 #: How often the campaign's topic is counted (s).
 SAMPLE_S = 0.05
+#: The paused case: its queue's rate limit (tasks/s, delayed_queue_rates), its pollers, and how
+#: long its tasks stay paused once due (s).
+PAUSED_RATE, PAUSED_POLLERS, PAUSED_HOLD = 2000, 2, 3.0
 
 
 def run_case(n: int, opts: argparse.Namespace, progress: Progress, logdir: Path) -> dict[str, Any]:
@@ -188,6 +197,58 @@ def run_case(n: int, opts: argparse.Namespace, progress: Progress, logdir: Path)
         remove_everything(settings, [settings.topic(BULK)])
 
 
+def run_paused_case(n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
+    """A campaign of ``n`` tasks on a paused queue limited to :data:`PAUSED_RATE` tasks/s, all due at
+    once, :data:`PAUSED_POLLERS` pollers: records on its topic while it stays paused
+    :data:`PAUSED_HOLD` s past due (none may come), then, resumed, how fast it drains (the slope of
+    its records between a tenth and nine tenths of them, after the bucket's first quarter second)."""
+    label = f"paused {n:,}, resumed at {PAUSED_RATE:,}/s"
+    overrides = {**new_overrides(partitions=PARTITIONS), "delayed_queue_rates": {BULK: PAUSED_RATE}}
+    settings = Settings.from_conf(overrides)
+    procs = Processes(logdir / "paused", overrides, app="bench.compare_app")
+    procs.logdir.mkdir(parents=True)
+    consumer = make_consumer(settings)
+    app = create_app("celery-delayed", **overrides)
+    store = store_of(app)
+    try:
+        store.pause(BULK)
+        pollers = [procs.start(f"poller{i}", "delayed", "poller", "-l", "INFO",
+                               env={"COMPARE_SYSTEM": "celery-delayed"}) for i in range(PAUSED_POLLERS)]
+        for proc in pollers:
+            log = next(log for p, log in procs.procs if p is proc)
+            wait_for(lambda log=log: any(c["partitions"] for c in leadership_changes(log, 0)), 60,
+                     "every poller to lead store partitions")
+        ensure_topics(settings, [BULK])
+        parts = topic_partitions(settings, settings.topic(BULK))
+        due = time.time() + settings.min_delay + 2
+        seconds, stored = send(app, uuid.uuid4().hex[:8], n, due, 0.0, progress, f"{label}: store", queue=BULK)
+        wait_for(lambda: time.time() >= due + PAUSED_HOLD, PAUSED_HOLD + n / 1000 + 10, "the pause to be held")
+        while_paused = high_watermark(consumer, settings.topic(BULK), parts)
+        store.resume(BULK)
+        resumed = time.time()
+        timeline: list[tuple[float, int]] = []
+        draining = progress.add_task(f"{label}: drain", total=stored)
+        while not timeline or timeline[-1][1] < stored:
+            procs.check_alive()
+            if time.time() - resumed > 2 * stored / PAUSED_RATE + 30:
+                raise RuntimeError(f"only {timeline[-1][1]:,} of {stored:,} on {settings.topic(BULK)} after resume")
+            timeline.append((round(time.time() - resumed, 3), high_watermark(consumer, settings.topic(BULK), parts)))
+            progress.update(draining, completed=timeline[-1][1])
+            time.sleep(SAMPLE_S)
+        progress.remove_task(draining)
+        low = next(t for t, k in timeline if k >= max(stored // 10, int(PAUSED_RATE * 0.25)))
+        high, high_k = next((t, k) for t, k in timeline if k >= stored * 9 // 10)
+        low_k = next(k for t, k in timeline if t == low)
+        return {"case": label, "paused": n, "stored": stored, "store_s": round(seconds, 1),
+                "records_while_paused": while_paused, "drain_s": timeline[-1][0],
+                "drain_per_s": round((high_k - low_k) / (high - low)), "rate": PAUSED_RATE,
+                "pollers": PAUSED_POLLERS, "timeline": timeline}
+    finally:
+        procs.stop_all()
+        consumer.close()
+        remove_everything(settings, [settings.topic(BULK)])
+
+
 def _store(out: dict[str, Any], app: Any, run: str, n: int, due: float, progress: Progress, label: str) -> None:
     """The campaign: ``n`` tasks on :data:`BULK` all due at ``due`` (epoch s), those built by
     :data:`CUTOFF` s and ``delayed_min_delay`` before it; how many are in the store (``stored``),
@@ -254,6 +315,39 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
                       "Versions: " + ", ".join(f"{k} {v}" for k, v in found.items())]) + "\n"
 
 
+def paused_report(result: dict[str, Any]) -> str:
+    """The paused case as Markdown (also printed)."""
+    head = ["case", "stored: tasks in s", "records on its topic while paused", "drain after resume: tasks/s (vs limit)",
+            "all on its topic after resume, s"]
+    row = [result["case"], f"{result['stored']:,} in {result['store_s']} s", f"{result['records_while_paused']:,}",
+           f"{result['drain_per_s']:,} ({result['drain_per_s'] / result['rate'] - 1:+.1%})", f"{result['drain_s']}"]
+    title = (f"bench.burst: a paused queue ({BULK}, limited to {result['rate']:,} tasks/s), its tasks all due at once, "
+             f"{result['pollers']} pollers; resumed {PAUSED_HOLD:g} s after they were due")
+    table = Table(*head, title=title)
+    table.add_row(*row)
+    console.print(table)
+    notes = ("Drain: the slope of its topic's records (high watermarks, every "
+             f"{SAMPLE_S * 1000:.0f} ms) between a tenth and nine tenths of them, once the token bucket's first "
+             "quarter second is spent; the limit is one token bucket in Redis that both pollers draw on.")
+    return "\n".join([f"### {title}", "", _markdown(head, [row]), "", notes]) + "\n"
+
+
+def paused_plot(result: dict[str, Any], path: Path) -> Path:
+    """The paused queue's records on its topic after resume, against its rate limit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.plot([t for t, _ in result["timeline"]], [k for _, k in result["timeline"]],
+            label=f"records on {BULK}'s topic: {result['drain_per_s']:,}/s")
+    end = result["timeline"][-1][0]
+    ax.plot([0, end], [0, end * result["rate"]], "--", color="grey", label=f"the limit, {result['rate']:,}/s")
+    ax.set(title=f"{result['case']}: {result['records_while_paused']} records while paused",
+           xlabel="seconds after resume", ylabel="records")
+    return save_figure(fig, (ax,), path)
+
+
 def _ratio(value: float, base: float) -> str:
     return "—" if math.isnan(value) or math.isnan(base) else f"{value / max(base, 1.0):,.1f}x"
 
@@ -293,11 +387,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, nargs="+", default=[100_000, 1_000_000],
                         help="campaign sizes, one case each after the baseline (default 100000 1000000)")
     parser.add_argument("--rate", type=float, default=20.0, help="the default queue's tasks sent a second")
+    parser.add_argument("--paused", type=int, default=60_000,
+                        help="tasks of the paused, rate-limited case (0: none; default 60000, --quick 20000)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="wait this long past the last due time (plus 1 s per 20,000 campaign tasks)")
     opts = parser.parse_args(argv)
     if opts.quick:
-        opts.tasks = [20_000]
+        opts.tasks, opts.paused = [20_000], 20_000
     if any(n < 1 or n > 2_000_000 for n in opts.tasks):
         parser.error("--tasks: each between 1 and 2,000,000")
     return opts
@@ -321,21 +417,36 @@ def main(argv: list[str] | None = None) -> int:
                 except (RuntimeError, AssertionError) as exc:  # the other cases still run
                     failed.append(f"{'campaign ' + format(n, ',') if n else 'baseline'}: {exc}")
                     console.print(f"[red]failed[/]: {failed[-1]}")
-        table = report(results, opts, found) + "".join(f"\nFailed: {f}\n" for f in failed)
+            paused = None
+            if opts.paused:
+                try:
+                    paused = run_paused_case(opts.paused, progress, logdir)
+                except (RuntimeError, AssertionError) as exc:
+                    failed.append(f"paused {opts.paused:,}: {exc}")
+                    console.print(f"[red]failed[/]: {failed[-1]}")
+        table = report(results, opts, found) + (f"\n{paused_report(paused)}" if paused else "") \
+            + "".join(f"\nFailed: {f}\n" for f in failed)
         wall = round(time.monotonic() - began)
         base.with_suffix(".md").write_text(table + f"\nWall time: {wall} s.\n")
         base.with_suffix(".json").write_text(json.dumps(
             {"versions": found, "git": git_state(), "options": vars(opts), "wall_s": wall, "failed": failed,
-             "results": results}, indent=1, default=str))
+             "results": results, "paused": paused}, indent=1, default=str))
         plot(results, base.with_suffix(".png"))
+        if paused:
+            paused_plot(paused, base.parent / f"{base.name}-paused.png")
         if not opts.quick:
             for suffix in (".md", ".json", ".png"):
                 shutil.copyfile(base.with_suffix(suffix), RESULTS / f"burst-latest{suffix}")
+            if paused:
+                shutil.copyfile(base.parent / f"{base.name}-paused.png", RESULTS / "burst-latest-paused.png")
         console.print(f"results: {base}.md, .json, .png; logs in {logdir}/ ({wall} s)")
         lost = sum(r["not_run"] for r in results)
         if lost:
             console.print(f"[red]{lost} default-queue task(s) not run")
-        return 1 if lost or failed else 0
+        leaked = paused["records_while_paused"] if paused else 0
+        if leaked:
+            console.print(f"[red]{leaked} record(s) of the paused queue on its topic before it was resumed")
+        return 1 if lost or failed or leaked else 0
 
 
 if __name__ == "__main__":

@@ -142,6 +142,11 @@ class Settings:
     #: Most tasks one poller dispatches per second (0 = no limit); bounds how fast
     #: an overdue backlog drains after an outage, so workers are not stampeded.
     max_dispatch_rate: float = 0.0
+    #: Most tasks a second dispatched of each queue named, shared by every poller (a token
+    #: bucket in Redis), e.g. ``{"bulk": 2000}``: a campaign drains at a pace its consumers
+    #: accept (an e-mail provider's quota), while other queues stay on time.
+    #: ``celery delayed rate QUEUE N`` changes a queue's at run time.
+    queue_rates: Mapping[str, Any] = field(default_factory=dict)
     #: Port of the poller's Prometheus endpoint (0 = none).
     metrics_port: int = 0
     #: Kafka consumer group of the workers.
@@ -223,6 +228,11 @@ class Settings:
         _require(self.max_sleep > 0, "max_sleep", "must be > 0")
         _require(0 <= self.dispatch_lead <= 5, "dispatch_lead", "must be between 0 and 5 seconds")
         _require(self.max_dispatch_rate >= 0, "max_dispatch_rate", "must be >= 0 (0 = no limit)")
+        for queue, rate in self.queue_rates.items():
+            _require(isinstance(queue, str) and 0 < len(queue.encode()) <= 255, "queue_rates",
+                     f"keys must be queue names of 1 to 255 bytes, got {queue!r}")
+            _require(type(rate) in (int, float) and rate > 0, "queue_rates",
+                     f"values must be tasks per second > 0, got {rate!r} for {queue!r}")
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a port number (0 = none)")
         _require(bool(self.key_prefix) and ":" not in self.key_prefix and "{" not in self.key_prefix,
                  "key_prefix", "must be non-empty, without ':' or '{'")

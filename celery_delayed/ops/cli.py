@@ -434,23 +434,45 @@ def resume(ctx: click.Context, queues: tuple[str, ...]) -> None:
             click.echo(f"{queue}: {'resumed' if store.resume(queue) else 'was not paused'}")
 
 
+@delayed.command(name="rate", cls=CeleryCommand)
+@click.argument("queue")
+@click.argument("rate", required=False)
+@click.option("--reset", is_flag=True, help="Drop the rate set here: delayed_queue_rates applies again.")
+@click.pass_context
+def rate_command(ctx: click.Context, queue: str, rate: str | None, reset: bool) -> None:
+    """Dispatch at most RATE of QUEUE's tasks a second, in all pollers together, from the next second
+    on ("off": no limit); overrides delayed_queue_rates until --reset."""
+    store = _load(ctx)[1]
+    if reset == (rate is not None):
+        raise click.UsageError("give a RATE (tasks a second, or off), or --reset")
+    try:
+        value = None if reset else 0.0 if rate == "off" else float(rate)
+    except ValueError:
+        raise click.BadParameter(f"tasks a second, or off; got {rate!r}", param_hint="RATE") from None
+    with _store_errors():
+        store.set_rate(queue, value)
+        limit = next((row["rate"] for row in store.queues() if row["queue"] == queue), None)
+    click.echo(f"{queue}: {'no limit' if limit is None else f'at most {limit:g} tasks/s'}")
+
+
 @delayed.command(cls=CeleryCommand)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per queue).")
 @click.pass_context
 def queues(ctx: click.Context, as_json: bool) -> None:
-    """Per queue with scheduled tasks, or paused: its overdue tasks (held back, when paused), its next due
-    time, whether it is paused."""
+    """Per queue with scheduled tasks, paused or rate-limited: its overdue tasks (held back, when paused),
+    its next due time, whether it is paused, its rate limit."""
     store = _load(ctx)[1]
     with _store_errors():
         rows, now_ms = store.queues(), store.now_ms()
     if as_json:
         click.echo(json.dumps(rows))
         return
-    table = Table("queue", "overdue", "next due", "paused")
+    table = Table("queue", "overdue", "next due", "paused", "rate")
     for row in rows:
         since = row["paused_since_ms"]
         table.add_row(row["queue"] or "(stored before lanes)", str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
-                      "-" if since is None else f"since {_age((now_ms - since) / 1000)}")
+                      "-" if since is None else f"since {_age((now_ms - since) / 1000)}",
+                      "-" if row["rate"] is None else f"{row['rate']:g}/s")
     console.print(table)
 
 

@@ -3,19 +3,20 @@
 Loop: claim what is due in each partition this poller leads (Lua, Redis clock,
 fencing token) -> produce each message to its queue's topic (key = task_id) ->
 on Kafka's delivery report, ack (forget) or nack (due again): :mod:`.delivery`.
-Store calls run on one store thread, in the order they are made, so Redis claims
-the next partition while this thread produces the one before, and no ack holds
-the loop up.  It
-sleeps until the next due time, woken early by a ``PUBLISH`` from the schedule
-script.  A crash anywhere leaves claimed tasks in the inflight set, and they
-become due again after the visibility timeout: duplicates are possible, loss is not.
+Claims, acks and nacks run on one store thread, in the order they are made, so
+Redis claims the next partition while this thread produces the one before, and no
+ack holds the loop up.  Each round obeys the paused queues and takes the tokens of
+the rate-limited ones from Redis, shared by every poller.  It sleeps until the
+next due time, woken early by a ``PUBLISH`` from the schedule script.  A crash
+anywhere leaves claimed tasks in the inflight set, and they become due again
+after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator
 
@@ -29,6 +30,7 @@ from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import Claim, DelayedStore
 from celery_delayed.store.dlq import ResultBackend
 from celery_delayed.store.durability import preflight
+from celery_delayed.store.layout import lane_of
 from celery_delayed.store.outcomes import STORE_ERRORS, Fenced
 
 logger = logging.getLogger(__name__)
@@ -38,8 +40,11 @@ NEVER = float("inf")
 #: How often leadership is refreshed and rebalanced (s), at most; a standby
 #: notices a resigned leader's partitions within this.
 LEADERSHIP_INTERVAL = 0.5
-#: How old (s) the paused queues this poller skips may be; a wake-up reads them again at once.
-PAUSED_REFRESH = 1.0
+#: How old (s) the paused queues and queue rates this poller obeys may be; a wake-up reads them
+#: again at once.
+CONTROLS_REFRESH = 1.0
+#: How soon (ms) a partition whose rate-limited queue ran out of tokens with tasks due is claimed again.
+THROTTLED_RETRY_MS = 50
 
 
 class RateLimit:
@@ -94,7 +99,8 @@ class Poller:
         self._rotation = 0
         self._clock_offset_ms = 0  # Redis clock minus local clock
         self._paused: tuple[str, ...] = ()  # the queues whose tasks stay in the store
-        self._paused_read = -PAUSED_REFRESH  # when they were read (monotonic s)
+        self._rates: dict[str, float] = dict(settings.queue_rates)  # queue -> most tasks a second
+        self._controls_read = -CONTROLS_REFRESH  # when both were read (monotonic s)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> None:
@@ -152,7 +158,7 @@ class Poller:
         ``max_sleep`` (which also returns a dead poller's expired claims to due).
         """
         produced = 0
-        self._read_paused()
+        self._read_controls()
         sweep = time.monotonic() - self._last_sweep >= self.settings.max_sleep
         if sweep:
             self._last_sweep = time.monotonic()
@@ -161,7 +167,8 @@ class Poller:
         self._rotation = (self._rotation + 1) % max(len(owned), 1)  # a rate limit must not starve the last ones
         due = [(partition, token) for partition, token in owned[self._rotation:] + owned[:self._rotation]
                if sweep or self._next_due.get(partition, 0) <= horizon_ms]
-        for partition, token, budget, claim in self._claims(due):
+        tokens = self._take_tokens(len(due))
+        for partition, token, budget, claim in self._claims(due, tokens):
             if isinstance(claim, Fenced):
                 self.stats.add("fenced")
                 logger.warning("%s: stop dispatching it", claim)
@@ -174,54 +181,97 @@ class Poller:
                 produced += self.delivery.produce(partition, task_id, claim.stamp, due_ms, data,
                                                   [(DUE_HEADER, str(due_ms)), claimed])
             full = len(claim.items) >= budget
-            self._next_due[partition] = claim.now_ms if full else (claim.next_due_ms or NEVER)
+            # throttled: due as a task due a retry from now (a partition is claimed dispatch_lead ahead)
+            retry = claim.now_ms + THROTTLED_RETRY_MS + self.settings.dispatch_lead * 1000 if claim.throttled else NEVER
+            self._next_due[partition] = claim.now_ms if full else min(claim.next_due_ms or NEVER, retry)
+        self._give_back(tokens)
         self.delivery.serve(timeout=0)
         return produced
 
-    def _claims(self, due: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int, Claim | Fenced]]:
+    def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int]
+                ) -> Iterator[tuple[int, int, int, Claim | Fenced]]:
         """``(partition, token, budget, claim or its Fenced refusal)`` of each due partition, in order.
 
         The next partition's claim is sent to the store thread before this one's
-        tasks are handed back, so Redis claims while the caller produces.  A store
+        tasks are handed back, so Redis claims while the caller produces.  A claim
+        may spend every token in ``tokens`` (queue -> tokens held); they are kept
+        for it until it returns, and what it left goes to the next.  A store
         error (down, read-only after a failover...) ends the round: what was
         already claimed is still handed back, nothing more is asked.
         """
         due = iter(due)
-        ahead: deque[tuple[int, int, int, Future]] = deque()
+        ahead: deque[tuple[int, int, int, dict[str, int], Future]] = deque()
         failed = False
 
         def send_next() -> None:
-            reserved = sum(budget for _, _, budget, _ in ahead)
+            reserved = sum(budget for _, _, budget, _, _ in ahead)
             budget = int(min(self.settings.claim_batch, self._limit.available() - reserved))
             if budget >= 1 and (nxt := next(due, None)):
                 partition, token = nxt
-                ahead.append((partition, token, budget,
-                              self._store_thread.submit(self.store.claim, partition, token, budget, self._paused)))
+                caps = dict(tokens)
+                tokens.update(dict.fromkeys(caps, 0))
+                ahead.append((partition, token, budget, caps, self._store_thread.submit(
+                    self.store.claim, partition, token, budget, self._paused, caps)))
 
         send_next()
         while ahead:
-            partition, token, budget, future = ahead.popleft()
+            partition, token, budget, caps, future = ahead.popleft()
             if not failed:
                 send_next()
             try:
-                yield partition, token, budget, future.result()
+                claim: Claim | Fenced | None = future.result()
             except Fenced as exc:
-                yield partition, token, budget, exc
+                claim = exc
             except STORE_ERRORS as exc:
                 logger.warning("claim of partition %d failed: %s", partition, exc)
-                failed = True
+                failed, claim = True, None
+            spent = Counter(lane_of(data).decode() for _, _, data in claim.items) \
+                if caps and isinstance(claim, Claim) else Counter()
+            for queue, cap in caps.items():  # a failed claim spent nothing
+                tokens[queue] += cap - spent[queue]
+            if claim is not None:
+                yield partition, token, budget, claim
 
-    def _read_paused(self) -> None:
-        """Read the paused queues when the last read is :data:`PAUSED_REFRESH` old; a resumed one is
-        claimed at once.  The store down: the last read stands (the claims fail anyway)."""
-        if time.monotonic() - self._paused_read < PAUSED_REFRESH:
+    def _take_tokens(self, partitions: int) -> dict[str, int]:
+        """The tokens this round may spend, queue -> tokens, of each rate-limited queue (shared by
+        every poller, ``lua/tokens.lua``): at most a claim's worth per partition to claim."""
+        tokens = {}
+        for queue, rate in self._rates.items():
+            try:
+                tokens[queue] = self.store.take_tokens(queue, rate, self.settings.claim_batch * partitions) \
+                    if partitions else 0
+            except STORE_ERRORS as exc:  # none then: the claims fail too
+                logger.warning("cannot take tokens of queue %s: %s", queue, exc)
+                tokens[queue] = 0
+        return tokens
+
+    def _give_back(self, tokens: dict[str, int]) -> None:
+        """Return the tokens the round left, for other pollers and the next round."""
+        for queue, left in tokens.items():
+            if left > 0:
+                try:
+                    self.store.take_tokens(queue, self._rates[queue], -left)
+                except STORE_ERRORS as exc:  # lost: the bucket refills at its rate
+                    logger.warning("cannot give tokens of queue %s back: %s", queue, exc)
+
+    def _read_controls(self) -> None:
+        """Read the paused queues and the queue rates (``delayed_queue_rates`` and those set at run
+        time) when the last read is :data:`CONTROLS_REFRESH` old; a resumed queue is claimed at once.
+        The store down: the last read stands (the claims fail anyway)."""
+        if time.monotonic() - self._controls_read < CONTROLS_REFRESH:
             return
         try:
             paused = tuple(sorted(self.store.paused()))
+            rates = {**self.settings.queue_rates, **self.store.rates()}
         except STORE_ERRORS as exc:
-            logger.warning("cannot read the paused queues: %s", exc)
+            logger.warning("cannot read the paused queues and queue rates: %s", exc)
             return
-        self._paused_read = time.monotonic()
+        self._controls_read = time.monotonic()
+        rates = {queue: rate for queue, rate in rates.items() if rate > 0}
+        if rates != self._rates:
+            logger.info("queue rates (tasks/s): %s", ", ".join(f"{q} {r:g}" for q, r in sorted(rates.items()))
+                        or "none")
+            self._rates = rates
         if paused != self._paused:
             logger.info("paused queues: %s", ", ".join(paused) or "none")
             if set(self._paused) - set(paused):
@@ -265,7 +315,7 @@ class Poller:
         """A task was scheduled sooner than anything in its lane, or a queue resumed: look at every
         partition, and read the paused queues again."""
         self._next_due.clear()
-        self._paused_read = -PAUSED_REFRESH
+        self._controls_read = -CONTROLS_REFRESH
         self._wake.set()
 
     def _on_pubsub_error(self, exc: BaseException, pubsub: object, thread: object) -> None:

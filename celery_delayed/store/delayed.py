@@ -49,6 +49,9 @@ SCHEDULE_CHUNK = 256
 SCHEDULE_BATCH = 4000
 #: Threads sending :meth:`DelayedStore.schedule_many` pipelines at once.
 SENDERS = 2
+#: Seconds of a queue's rate its token bucket holds at most: how far ahead of its
+#: rate a rate-limited queue may go after a pause in its dispatch.
+TOKEN_BURST_S = 0.25
 #: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
 #: within Lua's ``unpack`` limit (~8000 values).
 SCRIPT_PAIRS = 1000
@@ -62,6 +65,7 @@ class Claim:
     next_due_ms: int | None
     stamp: int  # names this claim's copies to ack and nack (their visibility deadline, ms)
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
+    throttled: bool = False  # a capped queue spent its cap with tasks still due
 
 
 class DelayedStore(Inspection):
@@ -237,21 +241,24 @@ class DelayedStore(Inspection):
         return seconds * 1000 + micros // 1000
 
     # -- dispatch ------------------------------------------------------------
-    def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = ()) -> Claim:
+    def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = (),
+              caps: dict[str, int] | None = None) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
-        and return them, none of the ``paused`` queues'."""
+        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s."""
         keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition)]
+        paused = list(paused)
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
                                                self.keys.bucket_prefix(partition), BUCKET_SECONDS,
-                                               int(self.settings.dispatch_lead * 1000), *paused])
+                                               int(self.settings.dispatch_lead * 1000), len(paused), *paused,
+                                               *(v for pair in (caps or {}).items() for v in pair)])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
-        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(3, len(reply), 3)]
-        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items)
+        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(4, len(reply), 3)]
+        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, bool(reply[3]))
 
     def ack(self, partition: int, claimed: list[tuple[str, int]]) -> int:
         """Forget tasks whose delivery to Kafka was confirmed: ``(task_id, claim stamp)`` pairs.
@@ -283,6 +290,24 @@ class DelayedStore(Inspection):
         resumed = bool(self._call_redis(self.redis.hdel, self.keys.paused, queue))
         self._call_redis(self.redis.publish, self.keys.wake, 0)
         return resumed
+
+    def set_rate(self, queue: str, rate: float | None) -> None:
+        """Limit ``queue``'s dispatch to ``rate`` tasks a second in all pollers (0: no limit), over
+        ``delayed_queue_rates``; None: that setting applies again."""
+        if not queue or len(queue.encode()) > MAX_LANE:
+            raise ValueError(f"a queue to limit must be a name of 1 to {MAX_LANE} bytes, got {queue!r}")
+        if rate is None:
+            self._call_redis(self.redis.hdel, self.keys.rates, queue)
+        elif not (rate >= 0 and math.isfinite(rate)):
+            raise ValueError(f"a rate must be tasks a second >= 0 (0 = no limit), got {rate!r}")
+        else:
+            self._call_redis(self.redis.hset, self.keys.rates, queue, repr(float(rate)))
+
+    def take_tokens(self, queue: str, rate: float, want: int) -> int:
+        """Take up to ``want`` of the tokens ``queue`` earns at ``rate`` a second, shared by every poller
+        (``lua/tokens.lua``); ``want`` < 0 gives unused ones back.  Returns how many it took."""
+        burst = max(1.0, rate * TOKEN_BURST_S)
+        return int(self._call("tokens", [self.keys.tokens(queue)], [repr(float(rate)), repr(burst), want]))
 
     # -- layout --------------------------------------------------------------
     def layout(self) -> dict[str, int]:

@@ -216,17 +216,23 @@ class Inspection:
         return rows
 
     def queues(self) -> list[dict]:
-        """Per queue holding tasks or paused, by name: ``overdue`` (due, still waiting: a paused queue's
-        held back tasks), ``next_due_ms`` (its earliest task) and ``paused_since_ms`` (None when not
-        paused).  Queue "" stands for the tasks stored before lanes (any queue; never paused)."""
+        """Per queue holding tasks, paused or rate-limited, by name: ``overdue`` (due, still waiting: a
+        paused queue's held back tasks), ``next_due_ms`` (its earliest task), ``paused_since_ms`` (None
+        when not paused) and ``rate`` (most tasks a second, None for no limit).  Queue "" stands for
+        the tasks stored before lanes (any queue; never paused nor limited)."""
         paused = self.paused()
-        lanes: dict[str, dict] = {queue: {"queue": queue, "overdue": 0, "next_due_ms": None,
-                                          "paused_since_ms": since} for queue, since in paused.items()}
+        rates = {queue: rate for queue, rate in {**self.settings.queue_rates, **self.rates()}.items() if rate > 0}
+        lanes: dict[str, dict] = {}
+
+        def row(queue: str) -> dict:
+            return lanes.setdefault(queue, {"queue": queue, "overdue": 0, "next_due_ms": None,
+                                            "paused_since_ms": paused.get(queue), "rate": rates.get(queue)})
+
+        for queue in [*paused, *rates]:
+            row(queue)
         for reply in self._counts()[1]:
             for i in range(5, len(reply), 3):
-                queue = reply[i].decode()
-                lane = lanes.setdefault(queue, {"queue": queue, "overdue": 0, "next_due_ms": None,
-                                                "paused_since_ms": paused.get(queue)})
+                lane = row(reply[i].decode())
                 lane["overdue"] += reply[i + 1]
                 lane["next_due_ms"] = min(filter(None, (lane["next_due_ms"], reply[i + 2])))
         return sorted(lanes.values(), key=lambda lane: lane["queue"])
@@ -235,6 +241,12 @@ class Inspection:
         """The paused queues (:meth:`.DelayedStore.pause`), each with when it was paused (ms, Redis clock)."""
         return {queue.decode(): int(since) for queue, since in self._call_redis(self.redis.hgetall,
                                                                                self.keys.paused).items()}
+
+    def rates(self) -> dict[str, float]:
+        """The dispatch rates set at run time (:meth:`.DelayedStore.set_rate`), tasks a second per queue
+        (0 = no limit), over ``delayed_queue_rates``."""
+        return {queue.decode(): float(rate) for queue, rate in self._call_redis(self.redis.hgetall,
+                                                                               self.keys.rates).items()}
 
     def _counts(self) -> tuple[int, list[list]]:
         """Redis' clock now, and per partition the reply of ``lua/counts.lua``."""

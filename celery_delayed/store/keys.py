@@ -34,6 +34,8 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{dlq}:wait", "STRING", "as {p}:wait, for the dead letters' node"),
     ("<prefix>:layout", "STRING", "partitions, bucket width and format every process must agree on"),
     ("<prefix>:paused", "HASH", "paused queue -> when it was paused (ms, Redis clock); pollers skip its lane"),
+    ("<prefix>:rates", "HASH", "queue -> most tasks/s dispatched, set at run time (0 = no limit)"),
+    ("<prefix>:tokens:<queue>", "HASH", "a rate-limited queue's token bucket (tokens, at ms), shared by the pollers"),
     ("<prefix>:wake", "channel", "pub/sub: a sooner task was scheduled, pollers wake"),
     ("/<prefix>/leader/<p>", "etcd", "the partition's leader (a poller id), under its lease"),
     ("/<prefix>/pollers/<id>", "etcd", "live pollers, each under its lease"),
@@ -49,10 +51,14 @@ class Keys:
         self.wake = f"{prefix}:wake"
         self.layout = f"{prefix}:layout"
         self.paused = f"{prefix}:paused"
+        self.rates = f"{prefix}:rates"
         self.dlq = [f"{prefix}:{{dlq}}:msg", f"{prefix}:{{dlq}}:index"]
         self.dlq_wait = f"{prefix}:{{dlq}}:wait"
         self.etcd_root = f"/{prefix}"
         self.pattern = f"{prefix}:*"  # every Redis key of the deployment (SCAN MATCH)
+
+    def tokens(self, queue: str) -> str:
+        return f"{self.prefix}:tokens:{queue}"
 
     # -- a partition's keys ----------------------------------------------------
     def of(self, partition: int, name: str) -> str:

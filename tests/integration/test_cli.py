@@ -66,3 +66,15 @@ def test_pause_queues_and_resume_a_queue_from_the_command_line(overrides):
     assert "paused queues (their tasks stay in the store" in celery(overrides, "delayed", "status").stdout
     assert f"{queue}: resumed" in celery(overrides, "delayed", "resume", queue).stdout
     assert json.loads(celery(overrides, "delayed", "queues", "--json").stdout) == []
+
+
+def test_a_queues_rate_is_set_at_run_time_over_the_setting_and_reset_to_it(overrides):
+    queue = f"{overrides['task_default_queue']}-bulk"
+    overrides["delayed_queue_rates"] = {queue: 500}
+    assert celery(overrides, "delayed", "rate", queue, "2000").stdout.strip() == f"{queue}: at most 2000 tasks/s"
+    rows = json.loads(celery(overrides, "delayed", "queues", "--json").stdout)
+    assert [(row["queue"], row["rate"]) for row in rows] == [(queue, 2000.0)]
+    assert celery(overrides, "delayed", "rate", queue, "off").stdout.strip() == f"{queue}: no limit"
+    assert celery(overrides, "delayed", "rate", queue, "--reset").stdout.strip() == f"{queue}: at most 500 tasks/s"
+    done = celery(overrides, "delayed", "rate", queue, "fast")
+    assert done.returncode == 2 and "tasks a second, or off; got 'fast'" in done.stderr

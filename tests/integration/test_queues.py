@@ -9,7 +9,7 @@ import time
 import pytest
 
 from celery_delayed.settings import Settings
-from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.delayed import TOKEN_BURST_S, DelayedStore
 
 from .support import TopicReader, envelopes, leaders, wait_for
 from .test_poller import now_ms
@@ -30,13 +30,78 @@ def test_a_paused_queue_gives_no_task_and_no_due_time_to_a_claim_until_it_is_res
     assert claim.next_due_ms == now + 60_000  # not bulk's overdue tasks: the poller may sleep till then
     rows = {row["queue"]: row for row in store.queues()}
     assert rows["bulk"]["overdue"] == 50 and rows["bulk"]["paused_since_ms"] is not None
-    assert rows["other"] == {"queue": "other", "overdue": 0, "next_due_ms": now + 60_000, "paused_since_ms": None}
+    assert rows["other"] == {"queue": "other", "overdue": 0, "next_due_ms": now + 60_000, "paused_since_ms": None,
+                             "rate": None}
 
     assert store.resume("bulk") and not store.resume("bulk")
     claim = store.claim(0, token=1, limit=100, paused=store.paused())
     assert sorted(item[0] for item in claim.items) == sorted(f"bulk-{i}" for i in range(50))
     with pytest.raises(ValueError, match="a queue to pause must be a name of 1 to 255 bytes"):
         store.pause("")
+
+
+def test_a_capped_queue_gives_at_most_its_cap_and_the_claim_says_it_has_more_due(overrides):
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    now = now_ms()
+    store.schedule_many(envelopes(50, "bulk", now - 60_000, prefix="bulk"))
+    store.schedule_many(envelopes(2, "other", now - 1000, prefix="other"))
+    store.schedule_many(envelopes(1, "other", now + 60_000, prefix="later"))
+    claim = store.claim(0, token=1, limit=100, caps={"bulk": 10})
+    ids = [item[0] for item in claim.items]
+    assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids) and claim.throttled
+    assert claim.next_due_ms == now + 60_000  # bulk is due, but closed for this claim
+    assert store.claim(0, token=1, limit=100, caps={"bulk": 0}).items == []
+    claim = store.claim(0, token=1, limit=100, caps={"bulk": 100})
+    assert len(claim.items) == 40 and not claim.throttled
+
+
+def test_a_queues_tokens_refill_at_its_rate_up_to_a_quarter_second_and_are_shared(overrides):
+    settings = Settings.from_conf(overrides)
+    one, other = DelayedStore(settings), DelayedStore(settings)  # two pollers' stores
+    assert one.take_tokens("bulk", 100, 1000) == 25  # a new bucket is full: a quarter second's worth
+    assert other.take_tokens("bulk", 100, 1000) <= 1  # the same bucket
+    time.sleep(0.5)
+    assert one.take_tokens("bulk", 100, 1000) == 25  # refilled, up to the quarter second
+    assert one.take_tokens("bulk", 100, -10) == 0  # unused ones given back...
+    assert 10 <= other.take_tokens("bulk", 100, 1000) <= 13  # ...go to the next taker
+
+
+@pytest.mark.timeout(180)
+def test_a_rate_shared_by_two_pollers_holds_while_another_queue_goes_at_once(overrides, processes):
+    """delayed_queue_rates = {bulk: 100}: 600 tasks of bulk due at once, with two pollers leading half the
+    partitions each, reach bulk's topic at about 100 a second (generous bounds here: bench.burst measures
+    it), while another queue's tasks due at the same time all go at once."""
+    rate, n = 100, 600
+    queue, bulk = overrides["task_default_queue"], f"{overrides['task_default_queue']}-bulk"
+    overrides.update(delayed_partitions=4, delayed_queue_rates={bulk: rate})
+    settings = Settings.from_conf(overrides)
+    store = DelayedStore(settings)
+    limited, other = TopicReader(settings, settings.topic(bulk)), TopicReader(settings, settings.topic(queue))
+    first, second = processes.poller(), processes.poller("poller2")
+    wait_for(lambda: set(leaders(settings).values()) == {first.pid, second.pid}, 30, "both pollers to lead")
+    store.schedule_many(envelopes(n, bulk, now_ms(), prefix="bulk"))
+    store.schedule_many(envelopes(20, queue, now_ms(), prefix="other"))
+    started = time.monotonic()
+    assert len(other.read_until(20, timeout=30)) == 20
+    other_done = time.monotonic() - started
+
+    stamps: list[int] = []  # when each record of bulk was produced (ms)
+    deadline = time.monotonic() + 60
+    while len(stamps) < n and time.monotonic() < deadline:
+        for record in limited.consumer.consume(num_messages=1000, timeout=0.5):
+            if not record.error():
+                stamps.append(record.timestamp()[1])
+                limited.keys[record.key().decode()] += 1
+    limited.close()
+    other.close()
+    assert len(limited.keys) == n and sum(limited.keys.values()) == n
+    stamps.sort()
+    burst = int(rate * TOKEN_BURST_S) + 1  # the first tokens are a full bucket's
+    measured = (n - burst) / ((stamps[-1] - stamps[burst]) / 1000)
+    print(f"\n{n} tasks of {bulk} at {measured:.1f}/s (limit {rate}/s), the other queue's 20 on their topic "
+          f"after {other_done:.2f} s")
+    assert 0.8 * rate <= measured <= 1.2 * rate
+    assert other_done < 0.5 * n / rate  # long before the limited queue is through
 
 
 def test_a_task_due_soonest_in_its_queue_wakes_the_pollers_even_behind_a_paused_queues_overdue_tasks(overrides):

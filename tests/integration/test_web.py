@@ -425,7 +425,7 @@ def test_a_store_that_is_down_is_a_503_on_every_page(overrides):
         server.stop()
 
 
-def test_a_queue_is_paused_and_resumed_from_the_overview_and_its_api(app, server):
+def test_a_queue_is_paused_resumed_and_rate_limited_from_the_overview_and_its_api(app, server):
     now = int(time.time() * 1000)
     _schedule(app, now)
     store, client = store_of(app), Client(server.url)
@@ -442,3 +442,9 @@ def test_a_queue_is_paused_and_resumed_from_the_overview_and_its_api(app, server
     assert status == 200 and done["changed"] and store.paused() == {}
     status, error = client.json("/api/queues/pause", {"queue": ""})
     assert status == 400 and "a queue to pause must be a name" in error["error"]
+    status, page = client.request("/queues/rate", {"queue": "mail", "rate": "250"})
+    assert status == 200 and store.rates() == {"mail": 250.0} and "<td>250/s</td>" in page
+    status, done = client.json("/api/queues/rate", {"queue": "mail", "rate": "off"})
+    assert status == 200 and done == {"queue": "mail", "rate": None}
+    status, error = client.json("/api/queues/rate", {"queue": "mail", "rate": "fast"})
+    assert status == 400 and "a rate must be tasks a second, or off; got 'fast'" in error["error"]

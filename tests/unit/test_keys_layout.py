@@ -34,6 +34,8 @@ BUILT = {
     "<prefix>:{dlq}:wait": K.dlq_wait,
     "<prefix>:layout": K.layout,
     "<prefix>:paused": K.paused,
+    "<prefix>:rates": K.rates,
+    "<prefix>:tokens:<queue>": K.tokens("<queue>"),
     "<prefix>:wake": K.wake,
     "/<prefix>/leader/<p>": K.leader("<p>"),
     "/<prefix>/pollers/<id>": K.poller("<id>"),

@@ -39,6 +39,9 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
     ("kafka_config", "sasl", "delayed_kafka_config must be Mapping"),
     ("kafka_config", {"bootstrap.servers": "x:1"}, "delayed_kafka_config must not set bootstrap.servers"),
     ("claim_batch", 100000, "delayed_claim_batch must be between"),
+    ("queue_rates", {"bulk": 0}, "delayed_queue_rates values must be tasks per second > 0, got 0 for 'bulk'"),
+    ("queue_rates", {"bulk": "fast"}, "delayed_queue_rates values must be tasks per second > 0"),
+    ("queue_rates", {"": 10}, "delayed_queue_rates keys must be queue names of 1 to 255 bytes"),
 ])
 def test_bad_values_name_the_setting(name, value, words):
     with pytest.raises(ConfigurationError, match=re.escape(words)):

@@ -219,8 +219,12 @@ class TaskAction(Base):
 
 class QueueAction(Base):
     async def post(self, action: str) -> None:
-        """Pause or resume the queue named by the ``queue`` argument."""
-        data = await self.call(self.views.queue_action, self.get_argument("queue", ""), action)
+        """Pause, resume or rate-limit (argument ``rate``) the queue named by the ``queue`` argument."""
+        queue = self.get_argument("queue", "")
+        if action == "rate":
+            data = await self.call(self.views.queue_rate, queue, self.arg("rate"))
+        else:
+            data = await self.call(self.views.queue_action, queue, action)
         self.done(data, "/#queues")
 
 
@@ -290,7 +294,7 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
     init = {"views": views, "basic_auth": basic_auth, "token": token, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
               (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", TaskAction), (r"/bulk", Bulk),
-              (r"/queues/(pause|resume)", QueueAction),
+              (r"/queues/(pause|resume|rate)", QueueAction),
               (r"/jobs/(\w+)", JobPage), (r"/dead-letters", DeadLetterList),
               (r"/bulk/dead-letters/(requeue|purge)", DeadLettersAction), (r"/dead-letters/([^/]+)", DeadLetter),
               (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetterAction)]

@@ -140,6 +140,16 @@ class Views:
         changed = self.store.pause(queue) if action == "pause" else self.store.resume(queue)
         return {"queue": queue, "paused": action == "pause", "changed": changed}
 
+    def queue_rate(self, queue: str, rate: str | None) -> dict[str, Any]:
+        """Set a queue's rate (tasks a second, "off" for none; empty: back to ``delayed_queue_rates``)."""
+        try:
+            value = None if rate is None else 0.0 if rate == "off" else float(rate)
+        except ValueError:
+            raise ValueError(f"a rate must be tasks a second, or off; got {rate!r}") from None
+        self.store.set_rate(queue, value)
+        return {"queue": queue, "rate": next((row["rate"] for row in self.store.queues() if row["queue"] == queue),
+                                             None)}
+
     def run_now(self, task_id: str) -> dict[str, Any]:
         return {"task_id": task_id, "due_ms": browse.move(self.store, task_id, to_ms=self.store.now_ms())}
 

@@ -48,13 +48,14 @@ local function all_lanes(lanes)
   return out
 end
 
--- The partition's earliest due time (ms) over every lane but those in set `paused` (a
--- table lane -> true, of `skip` lanes), or nil when no such lane holds a task.
-local function earliest_due(lanes, index, paused, skip)
+-- The partition's earliest due time (ms) over every lane but those in set `closed` (a
+-- table lane -> true, of `skip` lanes: paused or rate-limited), or nil when no such lane
+-- holds a task.
+local function earliest_due(lanes, index, closed, skip)
   local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
   local heads = redis.call('ZRANGE', lanes, 0, skip or 0, 'WITHSCORES')
   for i = 1, #heads, 2 do
-    if not (paused and paused[heads[i]]) then
+    if not (closed and closed[heads[i]]) then
       if first == nil or tonumber(heads[i + 1]) < tonumber(first) then first = heads[i + 1] end
       break
     end

@@ -9,16 +9,19 @@
 -- a backlog of one queue never holds another queue's due tasks behind it. Within
 -- a lane, due tasks are taken bucket by bucket in its index's order; a bucket left
 -- with tasks gets its new earliest due time in the index, an emptied one leaves it.
--- A paused lane (a paused queue, ARGV[7...]) gives nothing, and its due time is
--- not the partition's next: its tasks wait in the store until it is resumed.
+-- A paused lane (a paused queue) gives nothing, and its due time is not the
+-- partition's next: its tasks wait in the store until it is resumed. A capped lane
+-- (a rate-limited queue: the tokens its poller holds) gives at most its cap; once
+-- that is spent, it is closed as a paused one is, and the reply says whether it
+-- still had due tasks (throttled): the poller comes back when it has tokens again.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
--- ARGV[7...] the paused lanes
--- Returns {now_ms, next_due_ms or -1, stamp, id, due_ms, envelope, id, due_ms, envelope, ...};
+-- ARGV[7] number of paused lanes n   ARGV[8 .. 7 + n] the paused lanes   then pairs: lane, cap
+-- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, envelope, id, due_ms, envelope, ...};
 -- fails with FENCED when a newer leader has claimed this partition.
 --- @include _buckets
 local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -35,8 +38,18 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
 local horizon = now + tonumber(ARGV[6])
-local paused = {}
-for i = 7, #ARGV do paused[ARGV[i]] = true end
+local closed, caps, shut = {}, {}, 0  -- closed: paused or capped to 0; shut: how many
+for i = 8, 7 + tonumber(ARGV[7]) do
+  closed[ARGV[i]] = true
+  shut = shut + 1
+end
+for i = 8 + tonumber(ARGV[7]), #ARGV, 2 do
+  caps[ARGV[i]] = tonumber(ARGV[i + 1])
+  if caps[ARGV[i]] <= 0 and not closed[ARGV[i]] then
+    closed[ARGV[i]] = true
+    shut = shut + 1
+  end
+end
 
 -- expired claims go back to the bucket of "now", message and all (bucket first, as
 -- in nack.lua, so a failure on an undeclared key leaves the task in flight)
@@ -53,7 +66,7 @@ local deadline = now + tonumber(ARGV[3])
 local last = tonumber(redis.call('GET', stamp_key) or '0')
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', stamp_key, deadline)
-local out = {now, -1, deadline}
+local out = {now, -1, deadline, 0}
 
 -- Claim up to `most` due tasks of lane `lane`; returns how many ids it took.
 local function take(lane, most)
@@ -91,10 +104,10 @@ local function take(lane, most)
   return most - left
 end
 
--- the due lanes: each named lane not paused whose earliest task is due, and lane "" when its is
+-- the due lanes: each named lane not closed whose earliest task is due, and lane "" when its is
 local open = {}
 for _, lane in ipairs(redis.call('ZRANGE', lanes, '-inf', horizon, 'BYSCORE')) do
-  if not paused[lane] then open[#open + 1] = lane end
+  if not closed[lane] then open[#open + 1] = lane end
 end
 local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
 if first and tonumber(first) <= horizon then table.insert(open, 1, '') end
@@ -103,12 +116,25 @@ while left > 0 and #open > 0 do
   local full = {}  -- the lanes that took their whole share, and may hold more due tasks
   for i, lane in ipairs(open) do
     local share = math.ceil(left / (#open - i + 1))
+    if caps[lane] then share = math.min(share, caps[lane]) end
     local took = take(lane, share)
     left = left - took
-    if took == share then full[#full + 1] = lane end
+    if caps[lane] then
+      caps[lane] = caps[lane] - took
+      if caps[lane] <= 0 then
+        closed[lane] = true
+        shut = shut + 1
+      end
+    end
+    if took == share and not closed[lane] then full[#full + 1] = lane end
   end
   open = full
 end
 
-out[2] = earliest_due(lanes, index, paused, #ARGV - 6) or -1
+-- a capped lane closed with tasks still due is throttled
+for lane, cap in pairs(caps) do
+  local head = redis.call('ZSCORE', lanes, lane)
+  if cap <= 0 and head and tonumber(head) <= horizon then out[4] = 1 end
+end
+out[2] = earliest_due(lanes, index, closed, shut) or -1
 return out

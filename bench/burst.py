@@ -220,8 +220,9 @@ def run_paused_case(n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
                      "every poller to lead store partitions")
         ensure_topics(settings, [BULK])
         parts = topic_partitions(settings, settings.topic(BULK))
-        due = time.time() + settings.min_delay + 2
-        seconds, stored = send(app, uuid.uuid4().hex[:8], n, due, 0.0, progress, f"{label}: store", queue=BULK)
+        due = time.time() + settings.min_delay + CUTOFF + n / 2000  # apply_many stores ~4,000/s here
+        seconds, stored = send(app, uuid.uuid4().hex[:8], n, due, 0.0, progress, f"{label}: store", queue=BULK,
+                               until=due - settings.min_delay - CUTOFF)  # later ones would go to the broker
         wait_for(lambda: time.time() >= due + PAUSED_HOLD, PAUSED_HOLD + n / 1000 + 10, "the pause to be held")
         while_paused = high_watermark(consumer, settings.topic(BULK), parts)
         store.resume(BULK)

@@ -225,7 +225,7 @@ class Poller:
             except STORE_ERRORS as exc:
                 logger.warning("claim of partition %d failed: %s", partition, exc)
                 failed, claim = True, None
-            spent = Counter(lane_of(data).decode() for _, _, data in claim.items) \
+            spent = Counter(lane_of(data) for _, _, data in claim.items) \
                 if caps and isinstance(claim, Claim) else Counter()
             for queue, cap in caps.items():  # a failed claim spent nothing
                 tokens[queue] += cap - spent[queue]

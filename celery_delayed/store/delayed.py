@@ -34,7 +34,7 @@ from celery_delayed.settings import ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
-    due_ms_of, lane_of, member_of, partition_of, stored_message, task_id_of)
+    due_ms_of, member_of, partition_of, stored_message, task_id_of)
 from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
 from celery_delayed.store.scripts import Scripts
@@ -148,7 +148,7 @@ class DelayedStore(Inspection):
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
                 by_partition.setdefault(self.partition(task_id), []).extend(
-                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, lane_of(data), data)))
+                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, data)))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):

@@ -5,6 +5,7 @@ of a deployment must encode the same way.
 """
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from datetime import datetime, timezone
@@ -56,20 +57,30 @@ def task_id_of(member: bytes) -> str:
     return (member[1:] if member[:1] == b"\0" else member).decode()
 
 
-def lane_of(envelope: bytes) -> bytes:
+def lane_of(envelope: bytes) -> str:
     """The lane (``lua/_buckets.lua``) of a task: its queue's name; "" when that is too long or
     ``envelope`` is none (dispatch dead-letters it), as lanes only keep queues apart."""
     try:
-        lane = queue_of(envelope).encode()
+        queue = queue_of(envelope)
     except EnvelopeError:
-        return b""
-    return lane if len(lane) <= MAX_LANE else b""
+        return ""
+    return queue if _lane_head(queue) else ""
 
 
-def stored_message(due_ms: int, lane: bytes, envelope: bytes) -> bytes:
-    """What the store keeps of a task: its bucket's start, its lane (a NUL, its length, its name) and envelope."""
-    head = _BUCKET.pack(bucket_of(due_ms))
-    return head + b"\0" + bytes((len(lane),)) + lane + envelope if lane else head + envelope
+@functools.lru_cache(maxsize=4096)
+def _lane_head(queue: str) -> bytes:
+    """What a stored message holds of a lane: a NUL, the lane's length (1 byte) and its name."""
+    lane = queue.encode()
+    return b"\0" + bytes((len(lane),)) + lane if 0 < len(lane) <= MAX_LANE else b""
+
+
+def stored_message(due_ms: int, envelope: bytes) -> bytes:
+    """What the store keeps of a task: its bucket's start, its lane (:func:`_lane_head`) and its envelope."""
+    try:
+        head = _lane_head(queue_of(envelope))
+    except EnvelopeError:  # none: dispatch dead-letters it
+        head = b""
+    return _BUCKET.pack(bucket_of(due_ms)) + head + envelope
 
 
 def parse_stored(stored: bytes) -> tuple[int, str, bytes]:

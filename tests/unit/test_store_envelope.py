@@ -124,3 +124,21 @@ def test_binary_bodies_survive_deflate():
                      content_encoding="binary").encode()
     assert Envelope.decode(deflate(frame, 0)).body == body
     assert json.loads(frame[1:frame.index(b"\n")])["ct"] == "application/x-python-serialize"
+
+
+@pytest.mark.parametrize("queue, lane", [("mail", "mail"), ("q" * 255, "q" * 255), ("q" * 256, ""),
+                                         ("é-queue", "é-queue")])
+def test_a_stored_message_records_its_bucket_and_its_queues_lane_and_gives_both_back(queue, lane):
+    from celery_delayed.store.layout import bucket_of, lane_of, parse_stored, stored_message
+
+    envelope = Envelope(task_id=TASK_ID, queue=queue, headers={"task": "t", "id": TASK_ID}, body=b"[]",
+                        content_type="application/json", content_encoding="utf-8").encode()
+    due = 1_800_000_123_456
+    assert lane_of(envelope) == lane
+    assert parse_stored(stored_message(due, envelope)) == (bucket_of(due), lane, envelope)
+
+
+def test_bytes_that_are_no_envelope_are_stored_in_lane_nothing_and_given_back_whole():
+    from celery_delayed.store.layout import parse_stored, stored_message
+
+    assert parse_stored(stored_message(10_000, b"garbage")) == (10, "", b"garbage")

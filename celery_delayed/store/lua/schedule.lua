@@ -37,6 +37,18 @@ if #ids == 0 then return {0, 0, 0} end
 local stored = redis.call('HMGET', msgs, unpack(ids))
 local seen, messages, buckets, order, earliest = {}, {}, {}, {}, nil
 local superseded, moved, kept, numbered = {}, {}, 0, {}
+-- A message's head (bucket start and lane) -> {bucket key, lane, bucket start}: worked out
+-- once per bucket, not once per task.
+local places = {}
+local function place(message)
+  local head = string.sub(message, 1, string.byte(message, 5) == 0 and 6 + string.byte(message, 6) or 4)
+  local found = places[head]
+  if found == nil then
+    found = {bucket_key_of(index_key, prefix, message), lane_of(message), bucket_of(message)}
+    places[head] = found
+  end
+  return found
+end
 for n, id in ipairs(ids) do
   local due, attempt, message = ARGV[4 * n], tonumber(ARGV[4 * n + 1]), ARGV[4 * n + 2]
   local take = false
@@ -52,7 +64,7 @@ for n, id in ipairs(ids) do
       if flying then
         superseded[#superseded + 1] = id
       else
-        moved[#moved + 1] = {id, stored[n], bucket_key_of(index_key, prefix, message)}
+        moved[#moved + 1] = {id, stored[n], place(message)[1]}
       end
     else
       kept = kept + 1
@@ -64,12 +76,12 @@ for n, id in ipairs(ids) do
       numbered[#numbered + 1] = id
       numbered[#numbered + 1] = attempt
     end
-    local key = bucket_key_of(index_key, prefix, message)
-    local members = buckets[key]
+    local where = place(message)
+    local members = buckets[where[1]]
     if members == nil then
       members = {}
-      buckets[key] = members
-      order[#order + 1] = {key, lane_of(message), bucket_of(message)}
+      buckets[where[1]] = members
+      order[#order + 1] = where
     end
     members[#members + 1] = due
     members[#members + 1] = id

@@ -48,25 +48,26 @@ local function all_lanes(lanes)
   return out
 end
 
--- The partition's earliest due time (ms) over every lane but those in set `closed` (a
--- table lane -> true, of `skip` lanes: paused or rate-limited), or nil when no such lane
--- holds a task.
-local function earliest_due(lanes, index, closed, skip)
-  local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
-  local heads = redis.call('ZRANGE', lanes, 0, skip or 0, 'WITHSCORES')
-  for i = 1, #heads, 2 do
-    if not (closed and closed[heads[i]]) then
-      if first == nil or tonumber(heads[i + 1]) < tonumber(first) then first = heads[i + 1] end
-      break
-    end
-  end
-  return first and tonumber(first)
-end
-
 -- The earliest due time (ms) of lane index `lane_index`, or nil when the lane is empty.
 local function lane_head(lane_index)
   local head = redis.call('ZRANGE', lane_index, 0, 0, 'WITHSCORES')[2]
   return head and tonumber(head)
+end
+
+-- The partition's earliest due time (ms) over every lane but those in set `closed` (a
+-- table lane -> true, of `skip` lanes: paused or rate-limited), or nil when no such lane
+-- holds a task.
+local function earliest_due(lanes, index, closed, skip)
+  local first = lane_head(index)
+  local heads = redis.call('ZRANGE', lanes, 0, skip or 0, 'WITHSCORES')
+  for i = 1, #heads, 2 do
+    if not (closed and closed[heads[i]]) then
+      local head = tonumber(heads[i + 1])
+      if first == nil or head < first then first = head end
+      break
+    end
+  end
+  return first
 end
 
 -- After tasks left bucket `bucket` (key `key`) of lane `lane` (index `lane_index`): its

@@ -109,8 +109,8 @@ local open = {}
 for _, lane in ipairs(redis.call('ZRANGE', lanes, '-inf', horizon, 'BYSCORE')) do
   if not closed[lane] then open[#open + 1] = lane end
 end
-local first = redis.call('ZRANGE', index, 0, 0, 'WITHSCORES')[2]
-if first and tonumber(first) <= horizon then table.insert(open, 1, '') end
+local first = lane_head(index)
+if first and first <= horizon then table.insert(open, 1, '') end
 local left = limit
 while left > 0 and #open > 0 do
   local full = {}  -- the lanes that took their whole share, and may hold more due tasks

@@ -15,14 +15,14 @@ local message = redis.call('HGET', msgs, id)
 if not message then return 0 end
 if redis.call('ZSCORE', inflight, id) then return -1 end
 local bucket = bucket_for(due, width)
-local _, lane_prefix = lane_keys(index, prefix, lane_of(message))
+local lane_index, lane_prefix = lane_keys(index, prefix, lane_of(message))
 -- read both bucket keys before any write: on a Redis Cluster slot migration an
 -- undeclared key fails here, with nothing changed yet
 redis.call('EXISTS', lane_prefix .. bucket_of(message))
 redis.call('EXISTS', lane_prefix .. bucket)
 take_from_bucket(lanes, index, prefix, id, message)
 
-local head = lane_head((lane_keys(index, prefix, lane_of(message))))
+local head = lane_head(lane_index)
 put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
 if head == nil or due < head then
   redis.call('PUBLISH', channel, due)

@@ -239,6 +239,15 @@ def parse_when(text: str | None, now_ms: int) -> int | None:
                          "or now+10m)") from None
 
 
+def parse_rate(text: str | None) -> float | None:
+    """A queue's rate as an operator gives it: tasks a second, ``off`` (0: no limit), or nothing (None:
+    back to ``delayed_queue_rates``)."""
+    try:
+        return None if text is None else 0.0 if text == "off" else float(text)
+    except ValueError:
+        raise ValueError(f"a rate must be tasks a second, or off; got {text!r}") from None
+
+
 def parse_move(eta: str | None, shift: str | None, now_ms: int) -> tuple[int | None, int | None]:
     """How an operator asked to move tasks, as ``(to_ms, shift_ms)``: to a new due time (``eta``, as
     :func:`parse_when` reads it) or by a shift (as :func:`parse_seconds` reads it); exactly one."""

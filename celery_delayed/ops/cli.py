@@ -28,7 +28,7 @@ from rich.text import Text
 from celery_delayed import store_of
 from celery_delayed.kafka import fleet, grow_topic
 from celery_delayed.ops import browse, drain
-from celery_delayed.ops.browse import Filter, parse_move, parse_when
+from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
@@ -446,12 +446,12 @@ def rate_command(ctx: click.Context, queue: str, rate: str | None, reset: bool) 
     if reset == (rate is not None):
         raise click.UsageError("give a RATE (tasks a second, or off), or --reset")
     try:
-        value = None if reset else 0.0 if rate == "off" else float(rate)
-    except ValueError:
-        raise click.BadParameter(f"tasks a second, or off; got {rate!r}", param_hint="RATE") from None
+        value = parse_rate(rate)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="RATE") from None
     with _store_errors():
         store.set_rate(queue, value)
-        limit = next((row["rate"] for row in store.queues() if row["queue"] == queue), None)
+        limit = store.queue_rates().get(queue)
     click.echo(f"{queue}: {'no limit' if limit is None else f'at most {limit:g} tasks/s'}")
 
 

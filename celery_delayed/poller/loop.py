@@ -262,12 +262,11 @@ class Poller:
             return
         try:
             paused = tuple(sorted(self.store.paused()))
-            rates = {**self.settings.queue_rates, **self.store.rates()}
+            rates = self.store.queue_rates()
         except STORE_ERRORS as exc:
             logger.warning("cannot read the paused queues and queue rates: %s", exc)
             return
         self._controls_read = time.monotonic()
-        rates = {queue: rate for queue, rate in rates.items() if rate > 0}
         if rates != self._rates:
             logger.info("queue rates (tasks/s): %s", ", ".join(f"{q} {r:g}" for q, r in sorted(rates.items()))
                         or "none")

@@ -280,8 +280,7 @@ class DelayedStore(Inspection):
     def pause(self, queue: str) -> bool:
         """Hold ``queue``'s tasks in the store, due or not, until :meth:`resume`: every poller stops
         claiming them within a second.  False when it was paused already (it stays paused since then)."""
-        if not queue or len(queue.encode()) > MAX_LANE:
-            raise ValueError(f"a queue to pause must be a name of 1 to {MAX_LANE} bytes, got {queue!r}")
+        _check_queue(queue, "pause")
         return bool(self._call_redis(self.redis.hsetnx, self.keys.paused, queue, self.now_ms()))
 
     def resume(self, queue: str) -> bool:
@@ -294,8 +293,7 @@ class DelayedStore(Inspection):
     def set_rate(self, queue: str, rate: float | None) -> None:
         """Limit ``queue``'s dispatch to ``rate`` tasks a second in all pollers (0: no limit), over
         ``delayed_queue_rates``; None: that setting applies again."""
-        if not queue or len(queue.encode()) > MAX_LANE:
-            raise ValueError(f"a queue to limit must be a name of 1 to {MAX_LANE} bytes, got {queue!r}")
+        _check_queue(queue, "limit")
         if rate is None:
             self._call_redis(self.redis.hdel, self.keys.rates, queue)
         elif not (rate >= 0 and math.isfinite(rate)):
@@ -340,7 +338,7 @@ class DelayedStore(Inspection):
             self._unchecked(self.redis.set, self.keys.layout, recorded)
             logger.warning("delayed store %s: format %s recorded as format %s (lanes); its tasks are read as they "
                            "are. Pollers of the older version do not dispatch tasks stored from now on: upgrade them "
-                           "first (README: Upgrading)", self.keys.layout, stored_layout["format"], LAYOUT_FORMAT)
+                           "first (docs/operations.md: Upgrading to lanes)", self.keys.layout, stored_layout["format"], LAYOUT_FORMAT)
             differences = []
         if differences:
             raise LayoutMismatch(
@@ -373,6 +371,12 @@ class DelayedStore(Inspection):
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"
+
+
+def _check_queue(queue: str, what: str) -> None:
+    """A queue that can be paused or limited has a lane of its own: a name of 1 to MAX_LANE bytes."""
+    if not queue or len(queue.encode()) > MAX_LANE:
+        raise ValueError(f"a queue to {what} must be a name of 1 to {MAX_LANE} bytes, got {queue!r}")
 
 
 def _pairs(claimed: list[tuple[str, int]]) -> list:

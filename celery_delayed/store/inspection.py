@@ -221,7 +221,7 @@ class Inspection:
         when not paused) and ``rate`` (most tasks a second, None for no limit).  Queue "" stands for
         the tasks stored before lanes (any queue; never paused nor limited)."""
         paused = self.paused()
-        rates = {queue: rate for queue, rate in {**self.settings.queue_rates, **self.rates()}.items() if rate > 0}
+        rates = self.queue_rates()
         lanes: dict[str, dict] = {}
 
         def row(queue: str) -> dict:
@@ -247,6 +247,11 @@ class Inspection:
         (0 = no limit), over ``delayed_queue_rates``."""
         return {queue.decode(): float(rate) for queue, rate in self._call_redis(self.redis.hgetall,
                                                                                self.keys.rates).items()}
+
+    def queue_rates(self) -> dict[str, float]:
+        """The limits the pollers obey, tasks a second per queue: ``delayed_queue_rates`` with those set
+        at run time over it; a queue without a limit is left out."""
+        return {queue: rate for queue, rate in {**self.settings.queue_rates, **self.rates()}.items() if rate > 0}
 
     def _counts(self) -> tuple[int, list[list]]:
         """Redis' clock now, and per partition the reply of ``lua/counts.lua``."""

@@ -142,13 +142,8 @@ class Views:
 
     def queue_rate(self, queue: str, rate: str | None) -> dict[str, Any]:
         """Set a queue's rate (tasks a second, "off" for none; empty: back to ``delayed_queue_rates``)."""
-        try:
-            value = None if rate is None else 0.0 if rate == "off" else float(rate)
-        except ValueError:
-            raise ValueError(f"a rate must be tasks a second, or off; got {rate!r}") from None
-        self.store.set_rate(queue, value)
-        return {"queue": queue, "rate": next((row["rate"] for row in self.store.queues() if row["queue"] == queue),
-                                             None)}
+        self.store.set_rate(queue, browse.parse_rate(rate))
+        return {"queue": queue, "rate": self.store.queue_rates().get(queue)}
 
     def run_now(self, task_id: str) -> dict[str, Any]:
         return {"task_id": task_id, "due_ms": browse.move(self.store, task_id, to_ms=self.store.now_ms())}

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -236,33 +235,41 @@ class RedisMeter:
 
 
 class PingProbe:
-    """What other Redis clients feel while a benchmark runs: PING round trips (ms) from a thread of
-    its own, every ``interval`` s, between :meth:`start` and :meth:`stop` (a Lua script blocks
-    Redis while it runs, so a long claim shows here as a stall)."""
+    """What other Redis clients feel while a benchmark runs: PING round trips (ms) every ``interval``
+    s between :meth:`start` and :meth:`stop`, from a process of its own (a Lua script blocks Redis
+    while it runs, so a long claim shows here as a stall).  Its own process: a thread of the
+    benchmark would wait for the benchmark's GIL after each reply, up to the 5 ms switch interval,
+    and report that as Redis's."""
+
+    SCRIPT = """
+import select, sys, time, redis
+client, samples, interval = redis.Redis.from_url(sys.argv[1]), [], float(sys.argv[2])
+client.ping()
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], interval)[0]:  # a line on stdin: stop
+    t0 = time.perf_counter()
+    client.ping()
+    samples.append((time.perf_counter() - t0) * 1000)
+print(" ".join(f"{s:.4f}" for s in samples), flush=True)
+"""
 
     def __init__(self, url: str, interval: float = 0.005) -> None:
-        self.client = redis.Redis.from_url(url)
-        self.interval = interval
+        self.url, self.interval = url, interval
         self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ping-probe", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            t0 = time.perf_counter()
-            self.client.ping()
-            self.samples.append((time.perf_counter() - t0) * 1000)
+        self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.client.ping()
-        self._thread.start()
+        self._process = subprocess.Popen([sys.executable, "-c", self.SCRIPT, self.url, str(self.interval)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the PING probe of {self.url} did not start")
 
     def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join(5)
-        self.client.close()
+        process, self._process = self._process, None
+        if process is not None:
+            out, _ = process.communicate("stop\n", timeout=30)
+            self.samples = [float(v) for v in out.split()]
         return summary(self.samples)
-
 
 def start_py_spy(pid: int, out: Path) -> subprocess.Popen | None:
     """``py-spy record`` of ``pid`` into ``out`` (raw collapsed stacks), if py-spy is installed."""

@@ -34,7 +34,7 @@ from celery_delayed.settings import ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
-    due_ms_of, member_of, partition_of, stored_message, task_id_of)
+    due_ms_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
 from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
 from celery_delayed.store.scripts import Scripts
@@ -257,7 +257,8 @@ class DelayedStore(Inspection):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
-        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), reply[i + 2]) for i in range(4, len(reply), 3)]
+        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), parse_stored(reply[i + 2])[2])
+                 for i in range(4, len(reply), 3)]
         return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, bool(reply[3]))
 
     def ack(self, partition: int, claimed: list[tuple[str, int]]) -> int:

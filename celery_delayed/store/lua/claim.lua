@@ -21,7 +21,8 @@
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
 -- ARGV[7] number of paused lanes n   ARGV[8 .. 7 + n] the paused lanes   then pairs: lane, cap
--- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, envelope, id, due_ms, envelope, ...};
+-- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, message, id, due_ms, message, ...}
+-- (each stored message as it is: the client takes its envelope out, sparing Redis a copy of each);
 -- fails with FENCED when a newer leader has claimed this partition.
 --- @include _buckets
 local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -91,7 +92,7 @@ local function take(lane, most)
           claimed[#claimed + 1] = id
           out[#out + 1] = id
           out[#out + 1] = due[2 * j]
-          out[#out + 1] = envelope_of(messages[j])
+          out[#out + 1] = messages[j]
         end
       end
       for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000

@@ -55,6 +55,25 @@ def test_a_capped_queue_gives_at_most_its_cap_and_the_claim_says_it_has_more_due
     assert len(claim.items) == 40 and not claim.throttled
 
 
+@pytest.mark.parametrize("cap", [0, 3], ids=["no-tokens", "tokens-spent"])
+def test_a_capped_queues_next_task_not_yet_due_is_the_partitions_next_due_time(overrides, cap):
+    """A claim closed a capped queue's lane and left its next task out of the partition's next due
+    time, as a paused one's (review of stop 36): the poller slept past it until its next sweep, so a
+    queue limited far above its pace went up to ``max_sleep`` late.  Its tasks due now make the claim
+    throttled; its next one not yet due is the next due time, as any queue's."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    now = now_ms()
+    store.schedule_many(envelopes(cap, "bulk", now - 1000, prefix="due"))
+    store.schedule_many(envelopes(1, "bulk", now + 5000, prefix="later"))
+    store.schedule_many(envelopes(1, "other", now + 60_000, prefix="other"))
+    claim = store.claim(0, token=1, limit=100, caps={"bulk": cap})
+    assert len(claim.items) == cap and not claim.throttled
+    assert claim.next_due_ms == now + 5000, claim.next_due_ms
+    assert store.pause("bulk")
+    claim = store.claim(0, token=1, limit=100, paused=store.paused(), caps={"bulk": 0})
+    assert claim.next_due_ms == now + 60_000  # paused, it gives none
+
+
 def test_a_queues_tokens_refill_at_its_rate_up_to_a_quarter_second_and_are_shared(overrides):
     settings = Settings.from_conf(overrides)
     one, other = DelayedStore(settings), DelayedStore(settings)  # two pollers' stores

@@ -12,8 +12,9 @@
 -- A paused lane (a paused queue) gives nothing, and its due time is not the
 -- partition's next: its tasks wait in the store until it is resumed. A capped lane
 -- (a rate-limited queue: the tokens its poller holds) gives at most its cap; once
--- that is spent, it is closed as a paused one is, and the reply says whether it
--- still had due tasks (throttled): the poller comes back when it has tokens again.
+-- that is spent, it is closed for the rest of the claim, and the reply says whether
+-- it still had due tasks (throttled): the poller comes back when it has tokens again.
+-- Its next task not yet due is the partition's next due time as any lane's is.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING
@@ -39,9 +40,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
 local horizon = now + tonumber(ARGV[6])
-local closed, caps, shut = {}, {}, 0  -- closed: paused or capped to 0; shut: how many
+local closed, caps, shut, paused = {}, {}, 0, {}  -- closed: paused or capped to 0; shut: how many
 for i = 8, 7 + tonumber(ARGV[7]) do
   closed[ARGV[i]] = true
+  paused[ARGV[i]] = true
   shut = shut + 1
 end
 for i = 8 + tonumber(ARGV[7]), #ARGV, 2 do
@@ -132,10 +134,16 @@ while left > 0 and #open > 0 do
   open = full
 end
 
--- a capped lane closed with tasks still due is throttled
+-- a capped lane closed with tasks still due is throttled; one whose next task is not due
+-- yet gives its due time, as an open lane does (a paused one never does)
 for lane, cap in pairs(caps) do
   local head = redis.call('ZSCORE', lanes, lane)
-  if cap <= 0 and head and tonumber(head) <= horizon then out[4] = 1 end
+  if cap <= 0 and head and tonumber(head) <= horizon then
+    out[4] = 1
+  elseif cap <= 0 and not paused[lane] then
+    closed[lane] = nil
+    shut = shut - 1
+  end
 end
 out[2] = earliest_due(lanes, index, closed, shut) or -1
 return out

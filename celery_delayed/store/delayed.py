@@ -282,12 +282,12 @@ class DelayedStore(Inspection):
         """Hold ``queue``'s tasks in the store, due or not, until :meth:`resume`: every poller stops
         claiming them within a second.  False when it was paused already (it stays paused since then)."""
         _check_queue(queue, "pause")
-        return bool(self._call_redis(self.redis.hsetnx, self.keys.paused, queue, self.now_ms()))
+        return bool(self.durable.command(self.keys.paused, "HSETNX", self.keys.paused, queue, self.now_ms()))
 
     def resume(self, queue: str) -> bool:
         """Let ``queue``'s tasks go again, due ones oldest first; wakes the pollers.  False when it was
         not paused."""
-        resumed = bool(self._call_redis(self.redis.hdel, self.keys.paused, queue))
+        resumed = bool(self.durable.command(self.keys.paused, "HDEL", self.keys.paused, queue))
         self._call_redis(self.redis.publish, self.keys.wake, 0)
         return resumed
 
@@ -296,11 +296,11 @@ class DelayedStore(Inspection):
         ``delayed_queue_rates``; None: that setting applies again."""
         _check_queue(queue, "limit")
         if rate is None:
-            self._call_redis(self.redis.hdel, self.keys.rates, queue)
+            self.durable.command(self.keys.rates, "HDEL", self.keys.rates, queue)
         elif not (rate >= 0 and math.isfinite(rate)):
             raise ValueError(f"a rate must be tasks a second >= 0 (0 = no limit), got {rate!r}")
         else:
-            self._call_redis(self.redis.hset, self.keys.rates, queue, repr(float(rate)))
+            self.durable.command(self.keys.rates, "HSET", self.keys.rates, queue, repr(float(rate)))
 
     def take_tokens(self, queue: str, rate: float, want: int) -> int:
         """Take up to ``want`` of the tokens ``queue`` earns at ``rate`` a second, shared by every poller
@@ -416,7 +416,8 @@ def _in_range(due_ms: int, what: str = "") -> int:
 
 class DurableWrites:
     """The ``delayed_schedule_wait`` policy of one store's writes that must not be lost: tasks
-    scheduled, and dead letters (their message settled once parked)."""
+    scheduled, dead letters (their message settled once parked), and the queue controls (a pause
+    lost in a failover would let every poller dispatch the queue)."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
@@ -446,6 +447,22 @@ class DurableWrites:
             return replies
         self._check(replies.pop())
         return replies
+
+    def command(self, key: str, *command: Any) -> Any:
+        """Run ``command``, a write of ``key`` alone, and wait for it as the policy asks, on the
+        connection that wrote it (in a cluster, to the primary holding ``key``); its reply.
+        Raises :class:`StoreNotDurable` as a schedule write does."""
+        client = self.store.redis
+        if self.policy is None:
+            return self.store._call_redis(client.execute_command, *command)
+        if isinstance(client, redis.RedisCluster):
+            client = client.get_node_from_key(key).redis_connection
+        pipe = client.pipeline(transaction=False)
+        pipe.execute_command(*command)
+        self._wait(pipe)
+        reply, acked = self.store._call_redis(pipe.execute)
+        self._check(acked)
+        return reply
 
     def _wait_on_nodes(self, probes: list[str]) -> None:
         """``WAIT``/``WAITAOF`` on every primary that holds one of ``probes``, after the writes.

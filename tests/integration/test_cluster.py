@@ -112,3 +112,6 @@ def test_schedule_wait_waits_for_each_written_primarys_replica(overrides):
     DeadLetters(store).add(DeadLetter(task_id="poison", reason="undecodable", source="worker", message=b"x"))
     with pytest.raises(StoreNotDurable, match=r"1 of 2 replicas acknowledged it"):  # waited on the {dlq} node
         DeadLetters(strict).add(DeadLetter(task_id="poison", reason="undecodable", source="worker", message=b"x"))
+    assert store.pause("q") and store.resume("q")  # on the primary holding the controls, with its replica
+    with pytest.raises(StoreNotDurable, match=r"1 of 2 replicas acknowledged it"):
+        strict.pause("q")

@@ -94,6 +94,25 @@ def test_a_dead_letter_waits_as_a_schedule_write_does(overrides):
         DeadLetter(task_id="other", reason="undecodable", source="worker", message=b"x"))
 
 
+def test_the_queue_controls_wait_as_a_schedule_write_does(overrides):
+    """A pause, a resume and a rate were plain writes (review of stop 36): with its replica cut off, a
+    pause returned at once, the primary was killed, and the promoted replica had no pause, so every
+    poller would dispatch the queue.  They now wait for ``delayed_schedule_wait`` as tasks do, and
+    say when they are not held."""
+    strict = DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=1,timeout=0.3"))
+    lax = DelayedStore(Settings.from_conf(overrides, schedule_wait="replicas=0,timeout=5"))
+    with pytest.raises(StoreNotDurable, match=r"not durable within 300 ms .* 0 of 1 replicas acknowledged it"):
+        strict.pause("bulk")
+    assert "bulk" in lax.paused()  # on the primary all the same, as the error says
+    for change in (lambda: strict.resume("bulk"), lambda: strict.set_rate("bulk", 5),
+                   lambda: strict.set_rate("bulk", None)):
+        with pytest.raises(StoreNotDurable, match=r"0 of 1 replicas acknowledged it"):
+            change()
+    assert lax.pause("bulk") and lax.queue_rates() == {}
+    lax.set_rate("bulk", 5)
+    assert lax.queue_rates() == {"bulk": 5.0} and lax.resume("bulk")
+
+
 def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):
     store = DelayedStore(Settings.from_conf(overrides, schedule_wait="aof"))
     version = store.redis.info("server")["redis_version"]

@@ -55,6 +55,9 @@ ADMISSION_RETRY = 1.0
 #: Longest a stopping feed polls for the revoke of its partitions after unsubscribing, before it
 #: closes its consumer anyway (the revoke takes ~0.1 s).
 LEAVE_TIMEOUT = 10.0
+#: Longest a stopping feed waits for its consumer's close() after the revoke (s): it waits for every
+#: offset commit still unanswered, which, Kafka down, librdkafka holds for up to session.timeout.ms.
+CLOSE_TIMEOUT = 5.0
 #: Seconds a worker reads no partition of its queues' topics before it says so (once, until it reads one).
 IDLE_WARNING = 15.0
 
@@ -231,7 +234,15 @@ class KafkaFeed:
         if self.offsets.assigned():
             logger.warning("Kafka partitions %s not revoked %.0f s after unsubscribing; closing anyway",
                            sorted(self.offsets.assigned()), LEAVE_TIMEOUT)
-        consumer.close()
+        # close() waits for every offset commit still unanswered, and librdkafka holds a commit made
+        # while the group coordinator is unreachable (Kafka down) for session.timeout.ms (45 s on the
+        # consumer protocol, which does not let a client lower it): bounded here, left to finish alone.
+        closing = threading.Thread(target=_close, args=(consumer,), name="delayed-kafka-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_TIMEOUT)
+        if closing.is_alive():
+            logger.warning("Kafka consumer not closed after %.0f s (offset commits waiting for an unreachable "
+                           "group coordinator); stopping without waiting for it", CLOSE_TIMEOUT)
 
     def _warn_if_idle(self, consumer: Consumer) -> None:
         """Say once when this worker has read no partition for :data:`IDLE_WARNING` s: more workers
@@ -340,11 +351,19 @@ class KafkaFeed:
         return (qos.value if qos is not None and qos.value else 0) or DEFAULT_MAX_UNSETTLED
 
     def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Commit ``offsets`` without waiting for Kafka's answer.
+
+        A synchronous commit has no timeout: made while the group coordinator is unreachable (Kafka
+        down), librdkafka holds it until the coordinator is back or session.timeout.ms passed (45 s
+        on the consumer protocol), and the feed with it, past any warm stop's grace period.  Commits
+        go out in order; one that fails is covered by the next, and an offset left uncommitted only
+        makes the partition's next owner read settled records again, which it does not run again.
+        """
         if not offsets:
             return
         try:
             self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                                  asynchronous=False)
+                                  asynchronous=True)
         except Exception as exc:  # e.g. during a rebalance: the next commit covers it
             logger.debug("offset commit failed: %s", exc)
 
@@ -441,6 +460,13 @@ def incremental(config: dict[str, Any]) -> bool:
     ``consumer`` group protocol, and on ``classic`` with a cooperative assignor."""
     return (config.get("group.protocol") == "consumer"
             or "cooperative" in str(config.get("partition.assignment.strategy", "")))
+
+
+def _close(consumer: Consumer) -> None:
+    try:
+        consumer.close()
+    except Exception as exc:  # closed already, or Kafka's error: nothing left to hand over
+        logger.debug("Kafka consumer close failed: %s", exc)
 
 
 def _names(partitions: list[TopicPartition]) -> list[str]:

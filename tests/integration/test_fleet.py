@@ -48,17 +48,24 @@ def assigned(processes, worker: subprocess.Popen) -> bool:
     return "assigned Kafka partitions" in processes.log(worker)
 
 
-def one_reading_one_waiting(overrides: dict, processes) -> tuple:
-    """A poller and two workers of one pool slot each on a topic of one partition: the first reads
-    it, the second waits for it.  Returns the app, a run id, the store's Redis and both workers."""
+def poller_and_worker(overrides: dict, processes, concurrency: int) -> tuple:
+    """A poller and a worker ``w1`` (``-c concurrency``) that took the partitions of the test's queue.
+    Returns the app, a run id, the store's Redis and the worker."""
     app = create_app(**overrides)
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     processes.poller()
-    first = processes.worker("w1", "-c", "1")
-    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partition")
+    first = processes.worker("w1", "-c", str(concurrency))
+    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partitions")
+    return app, uuid.uuid4().hex, r, first
+
+
+def one_reading_one_waiting(overrides: dict, processes) -> tuple:
+    """A poller and two workers of one pool slot each on a topic of one partition: the first reads
+    it, the second waits for it.  Returns the app, a run id, the store's Redis and both workers."""
+    app, run, r, first = poller_and_worker(overrides, processes, 1)
     second = processes.worker("w2", "-c", "1")
     wait_for(lambda: "ready." in processes.log(second), 60, "the second worker")
-    return app, uuid.uuid4().hex, r, first, second
+    return app, run, r, first, second
 
 
 @pytest.mark.parametrize("protocol", ["consumer", "classic"])
@@ -85,12 +92,7 @@ def test_a_stopping_worker_hands_its_partitions_over_before_its_running_task_end
     task ended (up to 60 s): tasks due on them meanwhile waited for it.  It now leaves the group at
     once: the other worker runs them on time, and the long task runs once."""
     overrides.update(delayed_topic_partitions=2, delayed_dispatch_lead=0)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "-c", "1")
-    wait_for(lambda: assigned(processes, first), 60, "the first worker to take the partitions")
+    app, run, r, first = poller_and_worker(overrides, processes, 1)
     long = due_in(app, "tasks.demo.work", (run, 25.0), seconds=1.5)
     wait_for(lambda: long.id in runs(r, run), 60, "the long task to start")
     second = processes.worker("w2", "-c", "1")
@@ -240,12 +242,7 @@ def test_a_warm_stop_while_kafka_is_down_ends_within_the_leave_timeout_and_loses
     (The tasks are due in 2 s: one due sooner than delayed_min_delay, 1 s, takes Celery's broker and
     never reaches Kafka, and a feed that read nothing commits nothing.)"""
     overrides.update(delayed_topic_partitions=2, delayed_dispatch_lead=0, delayed_group_protocol=protocol)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "-c", "2")
-    wait_for(lambda: assigned(processes, first), 60, "the worker to take the partitions")
+    app, run, r, first = poller_and_worker(overrides, processes, 2)
     before = [due_in(app, "tasks.demo.work", (run, 3.0), seconds=2.0) for _ in range(4)]
     wait_for(lambda: len(runs(r, run)) == 2, 60, "the first tasks to start")
     wait_for(lambda: max(committed(app, 0), committed(app, 1)) >= 0, 30, "a commit of the records read from Kafka")

@@ -13,7 +13,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import redis
@@ -30,7 +30,7 @@ from tasks.processes import ROOT, Processes, environment, wait_for
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "Starver",
            "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
-           "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for"]
+           "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for", "wait_for_wake_up"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
 
@@ -101,6 +101,16 @@ def cut_redis_connections(client, pid: int) -> int:
 def server_pid(name: str) -> int:
     """The pid of the server ``name`` that scripts/services started (its pid file)."""
     return int((SERVICES_DIR / "run" / f"{name}.pid").read_text())
+
+
+def wait_for_wake_up(pubsub: Any, due_ms: int, timeout: float = 5.0) -> None:
+    """Wait for the pollers' wake-up naming ``due_ms`` on ``pubsub`` (subscribed to the store's wake
+    channel).  An earlier write's wake-up can still arrive after the subscription (a cluster relays a
+    PUBLISH to the other nodes over its bus) and is skipped."""
+    def woke() -> bool:
+        message = pubsub.get_message(timeout=0.5)
+        return message is not None and int(message["data"]) == due_ms
+    wait_for(woke, timeout, f"the wake-up for due time {due_ms}")
 
 
 def kill9(name: str) -> int:

@@ -19,7 +19,7 @@ from celery_delayed.store.dlq import DeadLetter, DeadLetters
 from celery_delayed.store.outcomes import StoreNotDurable
 from tasks import create_app
 
-from .support import envelopes, wait_for
+from .support import envelopes, wait_for, wait_for_wake_up
 
 
 pytestmark = pytest.mark.parametrize("store_redis", ["cluster"], indirect=True)
@@ -75,8 +75,7 @@ def test_a_wake_up_published_on_one_node_reaches_a_subscriber_on_another(store):
     pubsub.subscribe(store.keys.wake)
     soon = store.now_ms() + 5000
     store.reschedule("task-1", soon)  # PUBLISH inside the script, on the partition's node
-    message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up from another node")
-    assert int(message["data"]) == soon
+    wait_for_wake_up(pubsub, soon)
     pubsub.close()
 
 

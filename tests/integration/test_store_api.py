@@ -12,7 +12,7 @@ from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.inspection import MAX_PAGE
 from celery_delayed.store.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 
-from .support import envelopes, wait_for
+from .support import envelopes, wait_for_wake_up
 
 
 pytestmark = pytest.mark.cluster_too
@@ -169,8 +169,7 @@ def test_reschedule_to_the_front_wakes_the_pollers(store):
     pubsub.subscribe(store.keys.wake)
     soon = now_ms() + 1000
     store.reschedule("task-1", soon)
-    message = wait_for(lambda: pubsub.get_message(timeout=0.5), 5, "the wake-up message")
-    assert int(message["data"]) == soon
+    wait_for_wake_up(pubsub, soon)
     pubsub.close()
 
 

@@ -30,7 +30,6 @@ from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import Claim, DelayedStore
 from celery_delayed.store.dlq import ResultBackend
 from celery_delayed.store.durability import preflight
-from celery_delayed.store.layout import lane_of
 from celery_delayed.store.outcomes import STORE_ERRORS, Fenced
 
 logger = logging.getLogger(__name__)
@@ -225,9 +224,8 @@ class Poller:
             except STORE_ERRORS as exc:
                 logger.warning("claim of partition %d failed: %s", partition, exc)
                 failed, claim = True, None
-            spent = Counter(lane_of(data) for _, _, data in claim.items) \
-                if caps and isinstance(claim, Claim) else Counter()
-            for queue, cap in caps.items():  # a failed claim spent nothing
+            spent = claim.taken if isinstance(claim, Claim) else Counter()  # a failed claim spent nothing
+            for queue, cap in caps.items():
                 tokens[queue] += cap - spent[queue]
             if claim is not None:
                 yield partition, token, budget, claim

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator, Sized
 
@@ -65,6 +65,7 @@ class Claim:
     next_due_ms: int | None
     stamp: int  # names this claim's copies to ack and nack (their visibility deadline, ms)
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
+    taken: Counter[str] = field(default_factory=Counter)  # tasks per lane (layout.lane_of): what caps are spent by
     throttled: bool = False  # a capped queue spent its cap with tasks still due
 
 
@@ -257,9 +258,12 @@ class DelayedStore(Inspection):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
-        items = [(task_id_of(reply[i]), int(float(reply[i + 1])), parse_stored(reply[i + 2])[2])
-                 for i in range(4, len(reply), 3)]
-        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, bool(reply[3]))
+        items, taken = [], Counter()
+        for i in range(4, len(reply), 3):
+            _, lane, envelope = parse_stored(reply[i + 2])
+            taken[lane] += 1
+            items.append((task_id_of(reply[i]), int(float(reply[i + 1])), envelope))
+        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken, bool(reply[3]))
 
     def ack(self, partition: int, claimed: list[tuple[str, int]]) -> int:
         """Forget tasks whose delivery to Kafka was confirmed: ``(task_id, claim stamp)`` pairs.

@@ -76,11 +76,7 @@ def _lane_head(queue: str) -> bytes:
 
 def stored_message(due_ms: int, envelope: bytes) -> bytes:
     """What the store keeps of a task: its bucket's start, its lane (:func:`_lane_head`) and its envelope."""
-    try:
-        head = _lane_head(queue_of(envelope))
-    except EnvelopeError:  # none: dispatch dead-letters it
-        head = b""
-    return _BUCKET.pack(bucket_of(due_ms)) + head + envelope
+    return _BUCKET.pack(bucket_of(due_ms)) + _lane_head(lane_of(envelope)) + envelope
 
 
 def parse_stored(stored: bytes) -> tuple[int, str, bytes]:

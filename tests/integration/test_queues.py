@@ -49,6 +49,7 @@ def test_a_capped_queue_gives_at_most_its_cap_and_the_claim_says_it_has_more_due
     claim = store.claim(0, token=1, limit=100, caps={"bulk": 10})
     ids = [item[0] for item in claim.items]
     assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids) and claim.throttled
+    assert claim.taken == {"bulk": 10, "other": 2}  # what the poller gives back of the tokens it held
     assert claim.next_due_ms == now + 60_000  # bulk is due, but closed for this claim
     assert store.claim(0, token=1, limit=100, caps={"bulk": 0}).items == []
     claim = store.claim(0, token=1, limit=100, caps={"bulk": 100})

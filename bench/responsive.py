@@ -7,8 +7,9 @@ has two causes, measured here apart, each against PING alone in the same run:
 1. **CPU alone**: PING beside one, then two, cores spun by busy processes (a busy machine, no
    Redis work at all);
 2. **Redis work alone**: PING beside claims of ``delayed_claim_batch`` tasks sent back to back by
-   one client (Redis as busy with claims as it can be, nothing else on the CPU), with the Redis
-   time of one claim (``INFO commandstats``: what blocks every other client while it runs).
+   one client (Redis as busy with claims as it can be, nothing else on the CPU), with the time of
+   one claim's script (``INFO commandstats``: no other client is served while it runs) and the CPU
+   of Redis' main thread per claim (``INFO cpu``: every command of a claim and its I/O).
 
 ``python -m bench.responsive [--quick] [--tasks N] [--seconds S] [--batch N]``
 Results (JSON, PNG of each condition's PING distribution) go to ``bench/results/``.
@@ -66,18 +67,29 @@ def claims(store: DelayedStore, tasks: int, progress: Callable[[str], None]) -> 
                         for i in range(tasks))
 
     def run() -> dict[str, float]:
-        stats = store.redis.info("commandstats").get("cmdstat_evalsha", {})
-        calls, usec = stats.get("calls", 0), stats.get("usec", 0)
+        script, cpu = _script_stats(store), _main_thread_cpu(store)
         started, claimed, batch = time.perf_counter(), 0, store.settings.claim_batch
         for partition in range(store.settings.partitions):
             while got := len(store.claim(partition, 1, batch).items):
                 claimed += got
         wall = time.perf_counter() - started
-        stats = store.redis.info("commandstats").get("cmdstat_evalsha", {})
-        n = stats.get("calls", 0) - calls
-        return {"claims": n, "claimed": claimed, "wall_s": wall, "claim_us": (stats.get("usec", 0) - usec) / max(n, 1),
-                "redis_busy": (stats.get("usec", 0) - usec) / 1e6 / wall}
+        (calls, usec), busy = (now - before for now, before in zip(_script_stats(store), script)), \
+            _main_thread_cpu(store) - cpu
+        return {"claims": calls, "claimed": claimed, "wall_s": wall, "script_us": usec / max(calls, 1),
+                "claim_us": busy * 1e6 / max(calls, 1), "redis_busy": busy / wall}
     return run
+
+
+def _script_stats(store: DelayedStore) -> tuple[int, int]:
+    """Scripts run and their µs in all (``INFO commandstats``): a script blocks every other client."""
+    stats = store.redis.info("commandstats").get("cmdstat_evalsha", {})
+    return stats.get("calls", 0), stats.get("usec", 0)
+
+
+def _main_thread_cpu(store: DelayedStore) -> float:
+    """CPU seconds of Redis' main thread, the one that serves every client: commands and their I/O."""
+    cpu = store.redis.info("cpu")
+    return cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
 
 
 def plot(samples: dict[str, list[float]], path) -> None:
@@ -130,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             unlink_prefix(store.redis, settings.key_prefix)
         table = Table(title=f"Another client's PING (ms), {settings.claim_batch} tasks per claim")
-        for column in ("condition", "PINGs", "p50", "p90", "p99", "max", "Redis time per claim", "Redis busy"):
+        for column in ("condition", "PINGs", "p50", "p90", "p99", "max", "script per claim", "Redis CPU per claim",
+                       "Redis busy"):
             table.add_column(column, justify="left" if column == "condition" else "right")
         for label, row in rows.items():
             c = row.get("claims")
             table.add_row(label, f"{row['count']:,}", *(f"{row[k]:.2f}" for k in ("p50", "p90", "p99", "max")),
+                          f"{c['script_us']:,.0f} µs" if c else "—",
                           f"{c['claim_us']:,.0f} µs ({c['claims']:,} claims)" if c else "—",
                           f"{c['redis_busy']:.0%}" if c else "—")
         console.print(table)

@@ -259,11 +259,25 @@ class DelayedStore(Inspection):
             raise
         now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
         items, taken = [], Counter()
-        for i in range(4, len(reply), 3):
-            _, lane, envelope = parse_stored(reply[i + 2])
+        members = reply[4::2]
+        for member, due_ms, stored, held in zip(members, reply[5::2], *self._read_claimed(partition, members)):
+            if held != stamp or stored is None:  # no longer this claim's: a retry replaced it meanwhile
+                continue
+            _, lane, envelope = parse_stored(stored)
             taken[lane] += 1
-            items.append((task_id_of(reply[i]), int(float(reply[i + 1])), envelope))
+            items.append((task_id_of(member), int(float(due_ms)), envelope))
         return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken, bool(reply[3]))
+
+    def _read_claimed(self, partition: int, members: list[bytes]) -> tuple[list, list]:
+        """The stored messages of tasks a claim moved to inflight, then their inflight stamps: read in
+        this order, a message is the claimed copy if its stamp is still the claim's (``lua/claim.lua``)."""
+        if not members:
+            return [], []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(self.keys.msgs(partition), members)
+        pipe.zmscore(self.keys.inflight(partition), members)
+        stored, stamps = self.execute(pipe)
+        return stored, stamps
 
     def ack(self, partition: int, claimed: list[tuple[str, int]]) -> int:
         """Forget tasks whose delivery to Kafka was confirmed: ``(task_id, claim stamp)`` pairs.

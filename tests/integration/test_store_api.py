@@ -143,6 +143,28 @@ def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_
         assert store.cancel(task_id) is Change.DONE
 
 
+def test_a_retry_stored_between_a_claim_and_its_read_is_not_taken_for_the_claimed_copy(overrides, monkeypatch):
+    """A claim moves its tasks to inflight, then reads their messages (``lua/claim.lua``).  A retry
+    stored in between replaces one message and takes that task out of flight, due in a minute: it
+    must not go out now, under the claim that no longer holds it, as if it were the claimed copy."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    (_, _, first), (_, _, retry), (_, _, other) = envelopes(3, "q", 0)
+    due = now_ms() - 10
+    store.schedule("raced", due, first)
+    store.schedule("bystander", due, other)
+    read = store._read_claimed
+
+    def retried_first(*args):
+        assert store.schedule("raced", due + 60_000, retry, attempt=1) is Stored.REPLACED
+        return read(*args)
+
+    monkeypatch.setattr(store, "_read_claimed", retried_first)
+    claim = store.claim(0, token=1, limit=10)
+    assert [(task_id, data) for task_id, _, data in claim.items] == [("bystander", other)]
+    assert store.get("raced")["state"] == "scheduled" and store.get("raced")["due_ms"] == due + 60_000
+    assert store.message("raced") == retry
+
+
 def test_a_late_copy_of_an_older_attempt_never_replaces_a_newer_one(store):
     """A worker puts back a late duplicate of attempt 0 (its run claim was still held) while
     attempt 1 is in flight, then attempt 1's delivery fails: attempt 1 must still be the one

@@ -22,9 +22,13 @@
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
 -- ARGV[7] number of paused lanes n   ARGV[8 .. 7 + n] the paused lanes   then pairs: lane, cap
--- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, message, id, due_ms, message, ...}
--- (each stored message as it is: the client takes its envelope out, sparing Redis a copy of each);
--- fails with FENCED when a newer leader has claimed this partition.
+-- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, id, due_ms, ...}; fails with
+-- FENCED when a newer leader has claimed this partition. The messages are not in the reply: the client
+-- reads them with HMGET, then ZMSCORE (DelayedStore.claim), and keeps those still in flight under this
+-- claim's stamp, as no write changes a message while it is (each write that replaces or removes one
+-- takes it out of flight first, and a stamp names one claim). Passed through Lua, the messages made
+-- this script, which no other client can interleave with, half as long again (bench.responsive). An id
+-- whose message is gone (none is expected) goes out of flight with the claims that expire.
 --- @include _buckets
 local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix = ARGV[4]
@@ -86,16 +90,12 @@ local function take(lane, most)
       local ids = {}
       for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
       redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
-      local messages = redis.call('HMGET', msgs, unpack(ids))
       local claimed = {}
       for j, id in ipairs(ids) do
-        if messages[j] then
-          claimed[#claimed + 1] = deadline
-          claimed[#claimed + 1] = id
-          out[#out + 1] = id
-          out[#out + 1] = due[2 * j]
-          out[#out + 1] = messages[j]
-        end
+        claimed[#claimed + 1] = deadline
+        claimed[#claimed + 1] = id
+        out[#out + 1] = id
+        out[#out + 1] = due[2 * j]
       end
       for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
         redis.call('ZADD', inflight, unpack(claimed, i, math.min(i + 1999, #claimed)))

@@ -357,7 +357,8 @@ class DelayedStore(Inspection):
             self._unchecked(self.redis.set, self.keys.layout, recorded)
             logger.warning("delayed store %s: format %s recorded as format %s (lanes); its tasks are read as they "
                            "are. Pollers of the older version do not dispatch tasks stored from now on: upgrade them "
-                           "first (docs/operations.md: Upgrading to lanes)", self.keys.layout, stored_layout["format"], LAYOUT_FORMAT)
+                           "first (docs/operations.md: Upgrading to lanes)", self.keys.layout, stored_layout["format"],
+                           LAYOUT_FORMAT)
             differences = []
         if differences:
             raise LayoutMismatch(

@@ -10,6 +10,7 @@ import pytest
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.inspection import MAX_PAGE
+from celery_delayed.store.layout import member_of
 from celery_delayed.store.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for_wake_up
@@ -163,6 +164,29 @@ def test_a_retry_stored_between_a_claim_and_its_read_is_not_taken_for_the_claime
     assert [(task_id, data) for task_id, _, data in claim.items] == [("bystander", other)]
     assert store.get("raced")["state"] == "scheduled" and store.get("raced")["due_ms"] == due + 60_000
     assert store.message("raced") == retry
+
+
+def test_an_id_claimed_without_its_message_holds_no_new_copy_of_it_in_flight(overrides):
+    """A bucket entry can outlive its message (a schedule a slot migration cut short: schedule.lua),
+    and a claim takes such an id in flight without one (claim.lua).  Scheduled again, the id is a new
+    task: scheduled, cancellable, due at its own time, not sent at once when that claim expires; and a
+    drain's nack of the lapsed claim takes a message-less id out of flight (review of stop 37)."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1, visibility_timeout=1))
+    (_, _, data), = envelopes(1, "q", 0)
+    now = now_ms()
+    for task_id in ("orphan", "lapsed"):
+        store.schedule(task_id, now - 10, data)
+        store.redis.hdel(store.keys.msgs(0), member_of(task_id))
+    claim = store.claim(0, token=1, limit=10)
+    assert claim.items == []
+
+    assert store.schedule("orphan", now + 3_600_000, data) is Stored.ADDED
+    assert store.get("orphan")["state"] == "scheduled" and store.get("orphan")["due_ms"] == now + 3_600_000
+    assert store.nack(0, [("lapsed", claim.stamp)], delay_ms=0) == 0  # nothing to send: it only leaves
+    assert store.counts()[0]["inflight"] == 0
+    time.sleep(1.2)  # past the claim's visibility timeout
+    assert store.claim(0, token=1, limit=10).items == []  # not sent an hour early
+    assert store.cancel("orphan") is Change.DONE
 
 
 def test_a_late_copy_of_an_older_attempt_never_replaces_a_newer_one(store):

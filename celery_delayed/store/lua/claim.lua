@@ -28,7 +28,8 @@
 -- claim's stamp, as no write changes a message while it is (each write that replaces or removes one
 -- takes it out of flight first, and a stamp names one claim). Passed through Lua, the messages made
 -- this script, which no other client can interleave with, half as long again (bench.responsive). An id
--- whose message is gone (none is expected) goes out of flight with the claims that expire.
+-- claimed without a message (a bucket entry left by a schedule.lua a slot migration cut short) leaves
+-- inflight when its claim expires or is nacked, or when the id is scheduled again (schedule.lua).
 --- @include _buckets
 local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix = ARGV[4]

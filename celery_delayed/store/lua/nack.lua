@@ -10,6 +10,7 @@
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms,
 -- then pairs: task id, claim stamp
+-- A copy claimed without a message (see claim.lua) just leaves inflight.
 -- Returns the number of tasks returned.
 --- @include _buckets
 local index, msgs, inflight, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -21,10 +22,13 @@ local n = 0
 for i = 4, #ARGV, 2 do
   local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
   local message = redis.call('HGET', msgs, id)
-  if message and tonumber(redis.call('ZSCORE', inflight, id)) == stamp then
+  local held = tonumber(redis.call('ZSCORE', inflight, id)) == stamp  -- still this claim's copy
+  if held and message then
     put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
     redis.call('ZREM', inflight, id)
     n = n + 1
+  elseif held then  -- claimed without a message (claim.lua): nothing to return, it only leaves inflight
+    redis.call('ZREM', inflight, id)
   end
 end
 return n

@@ -7,7 +7,10 @@
 --    poller's ack), and the claim is dropped, so that copy's ack or nack (which
 --    remove only what they claimed, see ack.lua) cannot delete the new one; a copy
 --    still scheduled is kept (callers may safely retry);
---  * an older attempt (a late duplicate) never replaces anything.
+--  * an older attempt (a late duplicate) never replaces anything;
+--  * a new id leaves inflight if it is there without a message: a claim took it from
+--    a bucket a partly applied schedule left behind (claim.lua), and that claim's
+--    expiry would otherwise send this copy at once, whatever its due time.
 -- Within one call, the first copy of an id wins.
 -- Each task goes to the small sorted set of its time bucket in its lane (its queue,
 -- see _buckets.lua); the lane's bucket index keeps each bucket's earliest due time
@@ -36,7 +39,7 @@ for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
 if #ids == 0 then return {0, 0, 0} end
 local stored = redis.call('HMGET', msgs, unpack(ids))
 local seen, messages, buckets, order, earliest = {}, {}, {}, {}, nil
-local superseded, moved, kept, numbered = {}, {}, 0, {}
+local superseded, moved, kept, numbered, fresh = {}, {}, 0, {}, {}
 -- A message's head (bucket start and lane) -> {bucket key, lane, bucket start}: worked out
 -- once per bucket, not once per task.
 local places = {}
@@ -56,6 +59,7 @@ for n, id in ipairs(ids) do
     kept = kept + 1
   elseif not stored[n] then
     take = true
+    fresh[#fresh + 1] = id
   else
     local held = tonumber(redis.call('HGET', attempts, id) or '0')
     local flying = redis.call('ZSCORE', inflight, id)
@@ -122,6 +126,7 @@ end
 redis.call('HSET', msgs, unpack(messages))
 if #numbered > 0 then redis.call('HSET', attempts, unpack(numbered)) end
 for _, id in ipairs(superseded) do redis.call('ZREM', inflight, id) end
+if #fresh > 0 then redis.call('ZREM', inflight, unpack(fresh)) end
 -- a moved copy leaves its old bucket (unless its ZADD above just moved it within
 -- it), and that bucket's index entry becomes its earliest remaining due time
 for _, entry in ipairs(moved) do

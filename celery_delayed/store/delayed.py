@@ -270,12 +270,20 @@ class DelayedStore(Inspection):
 
     def _read_claimed(self, partition: int, members: list[bytes]) -> tuple[list, list]:
         """The stored messages of tasks a claim moved to inflight, then their inflight stamps: read in
-        this order, a message is the claimed copy if its stamp is still the claim's (``lua/claim.lua``)."""
+        this order, a message is the claimed copy if its stamp is still the claim's (``lua/claim.lua``).
+
+        On a Redis Cluster the stamps are asked for once the messages came back: a cluster pipeline
+        sends a command redirected by a slot migration (ASK) again after the others, so it could read
+        the stamps first (review of stop 37)."""
         if not members:
             return [], []
+        msgs, inflight = self.keys.msgs(partition), self.keys.inflight(partition)
+        if self.settings.redis_cluster:
+            stored = self._call_redis(self.redis.hmget, msgs, members)
+            return stored, self._call_redis(self.redis.zmscore, inflight, members)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.msgs(partition), members)
-        pipe.zmscore(self.keys.inflight(partition), members)
+        pipe.hmget(msgs, members)
+        pipe.zmscore(inflight, members)
         stored, stamps = self.execute(pipe)
         return stored, stamps
 

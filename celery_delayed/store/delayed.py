@@ -261,7 +261,7 @@ class DelayedStore(Inspection):
         items, taken = [], Counter()
         members = reply[4::2]
         for member, due_ms, stored, held in zip(members, reply[5::2], *self._read_claimed(partition, members)):
-            if held != stamp or stored is None:  # no longer this claim's: a retry replaced it meanwhile
+            if held != stamp or stored is None:  # no longer this claim's (a retry replaced it), or no message
                 continue
             _, lane, envelope = parse_stored(stored)
             taken[lane] += 1

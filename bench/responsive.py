@@ -73,8 +73,8 @@ def claims(store: DelayedStore, tasks: int, progress: Callable[[str], None]) -> 
             while got := len(store.claim(partition, 1, batch).items):
                 claimed += got
         wall = time.perf_counter() - started
-        (calls, usec), busy = (now - before for now, before in zip(_script_stats(store), script)), \
-            _main_thread_cpu(store) - cpu
+        calls, usec = (now - before for now, before in zip(_script_stats(store), script))
+        busy = _main_thread_cpu(store) - cpu
         return {"claims": calls, "claimed": claimed, "wall_s": wall, "script_us": usec / max(calls, 1),
                 "claim_us": busy * 1e6 / max(calls, 1), "redis_busy": busy / wall}
     return run

@@ -95,6 +95,8 @@ DEFERRED_DUPLICATES = Counter("celery_delayed_deferred_duplicates",
 LEADING = Gauge("celery_delayed_leading", "1 for each partition this poller leads", ["partition"])
 PAUSED = Gauge("celery_delayed_queue_paused", "1 for each queue this poller holds in the store (delayed pause)",
                ["queue"])
+CONTROLS_UNREADABLE = Gauge("celery_delayed_controls_unreadable", "1 while this poller cannot read the paused "
+                            "queues and queue rates, and so claims nothing (a paused queue must stay paused)")
 
 
 class StoreCollector(Collector):

@@ -99,7 +99,8 @@ class Poller:
         self._clock_offset_ms = 0  # Redis clock minus local clock
         self._paused: tuple[str, ...] = ()  # the queues whose tasks stay in the store
         self._rates: dict[str, float] = dict(settings.queue_rates)  # queue -> most tasks a second
-        self._controls_read = -CONTROLS_REFRESH  # when both were read (monotonic s)
+        self._controls_read = -CONTROLS_REFRESH  # when both were last read (monotonic s)
+        self._controls_known: bool | None = None  # whether that read succeeded (None: not read yet)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> None:
@@ -157,7 +158,9 @@ class Poller:
         ``max_sleep`` (which also returns a dead poller's expired claims to due).
         """
         produced = 0
-        self._read_controls()
+        if not self._read_controls():  # fail closed: any queue may be paused
+            self.delivery.serve(timeout=0)
+            return 0
         sweep = time.monotonic() - self._last_sweep >= self.settings.max_sleep
         if sweep:
             self._last_sweep = time.monotonic()
@@ -252,19 +255,29 @@ class Poller:
                 except STORE_ERRORS as exc:  # lost: the bucket refills at its rate
                     logger.warning("cannot give tokens of queue %s back: %s", queue, exc)
 
-    def _read_controls(self) -> None:
+    def _read_controls(self) -> bool:
         """Read the paused queues and the queue rates (``delayed_queue_rates`` and those set at run
         time) when the last read is :data:`CONTROLS_REFRESH` old; a resumed queue is claimed at once.
-        The store down: the last read stands (the claims fail anyway)."""
+        Returns whether the last read succeeded: a poller that cannot read them (the store down, a
+        cluster node away, an ACL) does not know which queues are paused, so it claims nothing until it
+        can read them again, and says so once (and in ``celery_delayed_controls_unreadable``)."""
         if time.monotonic() - self._controls_read < CONTROLS_REFRESH:
-            return
+            return bool(self._controls_known)
+        self._controls_read = time.monotonic()
         try:
             paused = tuple(sorted(self.store.paused()))
             rates = self.store.queue_rates()
         except STORE_ERRORS as exc:
-            logger.warning("cannot read the paused queues and queue rates: %s", exc)
-            return
-        self._controls_read = time.monotonic()
+            if self._controls_known is not False:
+                logger.warning("cannot read the paused queues and queue rates (%s): claiming nothing until they "
+                               "can be read", exc)
+                metrics.CONTROLS_UNREADABLE.set(1)
+            self._controls_known = False
+            return False
+        if self._controls_known is False:
+            logger.warning("the paused queues and queue rates can be read again: dispatching")
+        metrics.CONTROLS_UNREADABLE.set(0)
+        self._controls_known = True
         if rates != self._rates:
             logger.info("queue rates (tasks/s): %s", ", ".join(f"{q} {r:g}" for q, r in sorted(rates.items()))
                         or "none")
@@ -277,6 +290,7 @@ class Poller:
             for queue in paused:
                 metrics.PAUSED.labels(queue).set(1)
             self._paused = paused
+        return True
 
     def _fenced(self, partition: int, token: int) -> None:
         """Hand a refused claim to the leadership, with the store's fences (see :meth:`Leadership.fenced`)."""
@@ -294,6 +308,8 @@ class Poller:
             - self.settings.dispatch_lead
         deadline = max(min(self._last_sweep + self.settings.max_sleep, local_due),
                        time.monotonic() + self._limit.wait_time())
+        if not self._controls_known:  # nothing is claimed until they are read again
+            deadline = self._controls_read + CONTROLS_REFRESH
         while not self._wake.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -1,9 +1,14 @@
-"""The poller against Kafka errors it must survive: transient ones, a producer that fails fatally,
-a full local queue.  Each fault is injected by a thin wrapper around the REAL producer (one chosen
+"""The poller against errors it must survive: Kafka's transient ones, a producer that fails fatally,
+a full local queue; pause records it cannot read.  Each fault is injected by a thin wrapper around the REAL producer (one chosen
 call raises, or one report carries an error); every message it lets through goes to the real broker."""
 from __future__ import annotations
 
+import logging
+import time
+
+import redis
 from confluent_kafka import KafkaError, KafkaException, Producer
+from prometheus_client import REGISTRY
 
 from celery_delayed.kafka import make_producer
 from celery_delayed.poller.loop import Poller
@@ -131,3 +136,48 @@ def test_a_full_local_queue_while_resending_a_refused_batch_alone_is_waited_out(
     assert alive, "the poller loop died"
     assert "Kafka refused the message" in letter.reason
     assert len(keys) == 5
+
+
+def test_a_poller_that_cannot_read_the_paused_queues_dispatches_nothing_until_it_can(overrides, caplog):
+    """Fail closed (issue 41): a poller whose Redis user may not read the pause and rate records
+    (an ACL without those keys; on a cluster, the node holding them away) does not know whether a
+    queue is paused, so it claims nothing, says so once and in a metric, and goes on by itself once
+    it can read them: the paused queue's tasks stay in the store all along, the other queue's go."""
+    tag, queue = overrides["delayed_key_prefix"], overrides["task_default_queue"]
+    bulk = f"{queue}-bulk"
+    admin = redis.Redis.from_url(overrides["delayed_redis_url"])
+    # every key and the wake-up channel of the deployment, but not <prefix>:paused nor <prefix>:rates
+    admin.execute_command("ACL", "SETUSER", tag, "on", f">{tag}", "resetkeys", f"~{tag}:{{*", f"~{tag}:layout",
+                          f"~{tag}:tokens:*", "resetchannels", f"&{tag}:wake", "+@all")
+    try:
+        settings = Settings.from_conf(overrides, partitions=2)
+        DelayedStore(settings).pause(bulk)
+        url = overrides["delayed_redis_url"].replace("redis://", f"redis://{tag}:{tag}@")
+        restricted = Settings.from_conf({**overrides, "delayed_redis_url": url}, partitions=2)
+        store = DelayedStore(restricted)
+        store.schedule_many([*envelopes(10, bulk, now_ms(), prefix="bulk"), *envelopes(10, queue, now_ms())])
+        held, other = TopicReader(settings, settings.topic(bulk)), TopicReader(settings, settings.topic(queue))
+        poller = Poller(restricted, store=store)
+        with caplog.at_level(logging.WARNING, logger="celery_delayed.poller.loop"), running(poller) as thread:
+            wait_for(lambda: any("cannot read the paused queues" in r.getMessage() for r in caplog.records), 20,
+                     "the poller to say it cannot read the paused queues")
+            time.sleep(3)  # several rounds that could have dispatched
+            held.read(timeout=1)
+            other.read(timeout=1)
+            assert not held.keys, f"{len(held.keys)} tasks of the paused queue reached its topic"
+            assert not other.keys, "a poller that cannot read the controls dispatched"
+            assert REGISTRY.get_sample_value("celery_delayed_controls_unreadable") == 1
+            warnings = [r for r in caplog.records if "cannot read the paused queues" in r.getMessage()]
+            assert len(warnings) == 1, "said once per change, not every second"
+
+            admin.execute_command("ACL", "SETUSER", tag, f"~{tag}:paused", f"~{tag}:rates")
+            assert len(other.read_until(10, timeout=30)) == 10
+            held.read(timeout=1)
+            alive = thread.is_alive()
+        assert alive, "the poller loop died"
+        assert not held.keys, f"{len(held.keys)} tasks of the paused queue reached its topic"
+        assert REGISTRY.get_sample_value("celery_delayed_controls_unreadable") == 0
+        held.close()
+        other.close()
+    finally:
+        admin.execute_command("ACL", "DELUSER", tag)

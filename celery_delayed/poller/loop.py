@@ -94,6 +94,7 @@ class Poller:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._next_due: dict[int, float] = {}  # partition -> next due ms (Redis clock); absent = unknown
+        self._wake_ups = 0  # how many times the next due times were forgotten (a wake-up, a nack)
         self._last_sweep = 0.0
         self._rotation = 0
         self._clock_offset_ms = 0  # Redis clock minus local clock
@@ -157,7 +158,7 @@ class Poller:
         come, when a wake-up made it unknown, and in a full sweep every
         ``max_sleep`` (which also returns a dead poller's expired claims to due).
         """
-        produced = 0
+        produced, wake_ups = 0, self._wake_ups
         if not self._read_controls():  # fail closed: any queue may be paused
             self.delivery.serve(timeout=0)
             return 0
@@ -185,7 +186,8 @@ class Poller:
             full = len(claim.items) >= budget
             # throttled: due as a task due a retry from now (a partition is claimed dispatch_lead ahead)
             retry = claim.now_ms + THROTTLED_RETRY_MS + self.settings.dispatch_lead * 1000 if claim.throttled else NEVER
-            self._next_due[partition] = claim.now_ms if full else min(claim.next_due_ms or NEVER, retry)
+            if self._wake_ups == wake_ups:  # else a sooner task may have come since the claim read its next one
+                self._next_due[partition] = claim.now_ms if full else min(claim.next_due_ms or NEVER, retry)
         self._give_back(tokens)
         self.delivery.serve(timeout=0)
         return produced
@@ -322,11 +324,14 @@ class Poller:
 
     def _due_again(self, partition: int) -> None:
         """Copies of ``partition`` returned to due (their delivery failed): look at it again soon."""
+        self._wake_ups += 1
         self._next_due[partition] = 0
 
     def _on_wake(self, message: dict) -> None:
         """A task was scheduled sooner than anything in its lane, or a queue resumed: look at every
-        partition, and read the paused queues again."""
+        partition, and read the paused queues again.  A claim in progress read its next due time
+        before this: :meth:`tick` does not keep it (``_wake_ups``)."""
+        self._wake_ups += 1
         self._next_due.clear()
         self._controls_read = -CONTROLS_REFRESH
         self._wake.set()

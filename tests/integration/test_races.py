@@ -13,11 +13,16 @@ import redis
 from celery import states
 
 from celery_delayed import store_of
+from celery_delayed.poller.loop import Poller
+from celery_delayed.sandbox import running
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetters
 from celery_delayed.store.keys import Keys
 from tasks import create_app
 
-from .support import Starver, cut_redis_connections, wait_for
+from .support import Starver, TopicReader, cut_redis_connections, envelopes, wait_for, wait_for_wake_up
+from .test_poller import now_ms
 from .test_worker import committed, kafka_queue, taken_out
 
 
@@ -272,3 +277,36 @@ def test_a_broker_reconnect_while_kafka_is_down_keeps_the_worker(overrides, proc
     result = app.tasks["tasks.demo.work"].apply_async((run,), countdown=1.5)
     assert result.get(timeout=120) == result.id
     assert worker.poll() is None
+
+
+def test_a_wake_up_during_a_claim_is_not_lost_to_the_next_due_time_that_claim_read(overrides):
+    """A task scheduled sooner than everything else wakes the pollers; when the wake-up arrives while a
+    claim is in progress, that claim's next due time (read before the task was stored) must not
+    overwrite it (review, issue 41: the task waited for the next sweep, up to ``max_sleep``)."""
+    settings = Settings.from_conf(overrides, partitions=1, max_sleep=60)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    store.schedule_many(envelopes(1, queue, now_ms() + 40_000, prefix="later"))
+    reader = TopicReader(settings, settings.topic(queue))
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(store.keys.wake)
+    claim, injected = store.claim, []
+
+    def claim_then_schedule_sooner(*args, **kwargs):
+        """The claim runs; then, before the poller reads its reply, a sooner task wakes the pollers."""
+        reply = claim(*args, **kwargs)
+        if not injected:
+            due = now_ms() + 500
+            injected.append(store.schedule_many(envelopes(1, queue, due, prefix="sooner")))
+            wait_for_wake_up(pubsub, due)
+            time.sleep(1.0)  # the poller's subscription thread has had it too
+        return reply
+
+    store.claim = claim_then_schedule_sooner
+    with running(Poller(settings, store=store)) as thread:
+        keys = reader.read_until(1, timeout=15)
+        alive = thread.is_alive()
+    pubsub.close()
+    reader.close()
+    assert alive and injected
+    assert "sooner-0" in keys, "the sooner task waited for the next sweep: its wake-up was lost"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily

@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator
 
 from confluent_kafka import Producer
 

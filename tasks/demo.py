@@ -47,6 +47,19 @@ def work(self, run: str, seconds: float = 0.0) -> str:
     return self.request.id
 
 
+@shared_task(name="tasks.demo.overlap", bind=True)
+def overlap(self, run: str, seconds: float) -> int:
+    """Like :func:`work`, and record the most executions of the run that were running at once
+    (``demo:<run>:overlap``): how many a worker's pool really ran concurrently."""
+    r = _redis()
+    r.hincrby(f"demo:{run}:runs", self.request.id, 1)
+    running = r.incr(f"demo:{run}:running")
+    r.zadd(f"demo:{run}:overlap", {"most": running}, gt=True)
+    time.sleep(seconds)
+    r.decr(f"demo:{run}:running")
+    return running
+
+
 @shared_task(name="tasks.demo.eta_seen", bind=True)
 def eta_seen(self) -> str | None:
     """The ETA the task sees in its request (Celery's ISO string), as task code reading it would."""

@@ -28,6 +28,10 @@ from celery_delayed.settings import Settings
 #: that is down, has slots without a node, or whose nodes all refuse connections).
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
 
+#: Connections a process keeps to a standalone store at most, and how long (s) a caller waits for one
+#: when all are busy (then ``ConnectionError``, a store error): a green or threads worker of -c 200
+#: whose tasks retry at once shares them, where redis-py's default pool refuses the 101st at once.
+POOL_SIZE, POOL_WAIT = 100, 20.0
 #: Script source by SHA-1, to load a script again on a node that lost it.
 _SOURCES: dict[str, str] = {}
 
@@ -40,7 +44,9 @@ def connect(settings: Settings) -> redis.Redis | redis.RedisCluster:
     """
     if settings.redis_cluster:
         return redis.RedisCluster.from_url(settings.redis_url, health_check_interval=30)
-    return redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    pool = redis.BlockingConnectionPool.from_url(settings.redis_url, health_check_interval=30,
+                                                 max_connections=POOL_SIZE, timeout=POOL_WAIT)
+    return redis.Redis(connection_pool=pool)
 
 
 class Script(RedisScript):

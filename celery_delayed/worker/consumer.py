@@ -3,7 +3,9 @@
 A background thread reads the ready topics of the worker's queues, decodes
 each batch of records and decides which may run (:func:`.once.admit`: run
 claims and result-backend states, two round trips a batch), then hands them to
-the worker's event loop (a pipe it watches), where :class:`.intake.Intake`
+the worker's event loop (a pipe it watches; in a green worker, gevent or eventlet, which has
+none, this thread is a greenlet of the worker's hub and hands them over through the pool's timer:
+:mod:`.wakeup`), where :class:`.intake.Intake`
 gives each to Celery's own task strategy: events, time limits, ``acks_late``,
 revoke and results behave as for broker messages.  The loop itself makes no
 Redis round trip for a task that runs.  A record's offset is
@@ -34,10 +36,13 @@ from celery_delayed.store.durability import worker_preflight
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
 from celery_delayed.worker.offsets import OffsetTracker
 from celery_delayed.worker.once import Admit, Copy, RunClaims, admit
-from celery_delayed.worker.wakeup import Wakeup
+from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
 logger = logging.getLogger(__name__)
 
+#: Longest a poll of Kafka waits for a record (s), and, in a green worker, the sleep between two
+#: polls that found none: at most that much more lateness, a poll every 5 ms while idle.
+POLL_WAIT, GREEN_POLL_GAP = 0.1, 0.005
 #: Unsettled records a worker holds when Celery's prefetch limit is unlimited.
 DEFAULT_MAX_UNSETTLED = 1000
 COMMIT_INTERVAL = 0.5
@@ -119,12 +124,15 @@ class KafkaFeed:
         self._idle_since: float | None = time.monotonic()  # reading no partition since (None: said so)
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
-        self._wakeup: Wakeup | None = None
+        self._wakeup: Wakeup | GreenWakeup | None = None
+        # gevent, eventlet: the worker patched threading, so this feed's thread is a greenlet of its hub
+        self._green = bool(getattr(c.pool, "is_green", False))
 
     # -- consumer thread -------------------------------------------------------
     def start(self) -> None:
-        if self.c.hub is None:
-            raise RuntimeError("celery-delayed needs a worker with an event loop (a Redis or AMQP broker)")
+        if self.c.hub is None and not self._green:
+            raise RuntimeError("celery-delayed needs a worker with an event loop (a Redis or AMQP broker) or a "
+                               "green pool (-P gevent, -P eventlet)")
         conf = self.c.app.conf
         if not (conf.task_acks_late and conf.task_reject_on_worker_lost):
             logger.warning("task_acks_late and task_reject_on_worker_lost are not both on: a task is "
@@ -149,7 +157,7 @@ class KafkaFeed:
         self._consumer = Consumer(config)
         topics = [self.settings.topic(q) for q in self.queues]
         self._consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
-        self._wakeup = Wakeup(self.c.hub, self._drain)
+        self._wakeup = GreenWakeup(self.c.timer, self._drain) if self._green else Wakeup(self.c.hub, self._drain)
         self._reading.set()
         _feeds.add(self)
         self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
@@ -230,7 +238,7 @@ class KafkaFeed:
         consumer.unsubscribe()
         deadline = time.monotonic() + LEAVE_TIMEOUT
         while self.offsets.assigned() and time.monotonic() < deadline:
-            consumer.poll(0.1)
+            self._poll(consumer)
         if self.offsets.assigned():
             logger.warning("Kafka partitions %s not revoked %.0f s after unsubscribing; closing anyway",
                            sorted(self.offsets.assigned()), LEAVE_TIMEOUT)
@@ -296,7 +304,7 @@ class KafkaFeed:
     def _read(self, consumer: Consumer, room: int) -> None:
         # consume(n, timeout) waits for n records or the timeout, which would hold a
         # lone record up to the timeout: wait for the first, then take what is there.
-        first = consumer.poll(0.1)
+        first = self._poll(consumer)
         if first is None:
             return
         records = [first, *(consumer.consume(num_messages=min(room, 500) - 1, timeout=0) if room > 1 else ())]
@@ -310,6 +318,17 @@ class KafkaFeed:
                 self._unadmitted.append(self._examine(Arrival(record, partition, read_ms)))
         if self._unadmitted:
             self._admit()
+
+    def _poll(self, consumer: Consumer) -> Any:
+        """One record or event, waiting up to :data:`POLL_WAIT` s for it.  librdkafka's wait blocks
+        the OS thread, so a green worker's feed, a greenlet, polls without waiting and sleeps
+        :data:`GREEN_POLL_GAP` between empty polls, a green sleep that lets the tasks' greenlets run."""
+        if not self._green:
+            return consumer.poll(POLL_WAIT)
+        record = consumer.poll(0)
+        if record is None:
+            time.sleep(GREEN_POLL_GAP)
+        return record
 
     def _examine(self, arrival: Arrival) -> Arrival:
         """Decode a record and find its task's strategy; what can never run is marked for the
@@ -439,7 +458,7 @@ class KafkaFeed:
                     logger.warning("task delivery deferred 1 s: %r", exc)
                     with self._ready_lock:
                         self._ready.appendleft(arrival)
-                    self.c.hub.call_later(1.0, self._drain)
+                    self.c.timer.call_after(1.0, self._drain)
                     return
 
     def _give_up(self, arrival: Arrival, exc: Exception) -> bool:

@@ -236,7 +236,7 @@ class Intake:
             self._put_back(task_id, data, attempt)
         except STORE_ERRORS as exc:
             logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)
-            self.c.hub.call_later(1.0, self._requeue, task_id, data, attempt, partition, offset)
+            self.c.timer.call_after(1.0, self._requeue, (task_id, data, attempt, partition, offset))
             return
         self._settle(partition, offset)
 
@@ -287,7 +287,7 @@ class Intake:
         for it is written (checked every :data:`PARK_CHECK` s): a worker that dies first leaves it
         unsettled, and the copy read again is parked from the FAILURE recorded (_skip_finished)."""
         if parking(task_id):
-            self.c.hub.call_later(PARK_CHECK, self._settle_once_parked, task_id, partition, offset)
+            self.c.timer.call_after(PARK_CHECK, self._settle_once_parked, (task_id, partition, offset))
         else:
             self._settle(partition, offset)
 

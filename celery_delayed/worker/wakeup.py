@@ -1,4 +1,10 @@
-"""Waking the worker's event loop from another thread: the feed's hand-off of admitted records."""
+"""Waking the worker's event loop from the feed: the hand-off of admitted records.
+
+A worker with an event loop (prefork, threads, solo on a Redis or AMQP broker) is woken from the
+feed's thread (:class:`Wakeup`); a green worker (gevent, eventlet) has no event loop, and its feed
+runs as a greenlet of the worker's own hub, so its hand-off is a greenlet spawned there through
+the pool's timer (:class:`GreenWakeup`).
+"""
 from __future__ import annotations
 
 import os
@@ -47,3 +53,21 @@ class Wakeup:
         """Close the pipe, once no thread can wake it any more."""
         for fd in (self._read, self._write):
             os.close(fd)
+
+
+class GreenWakeup:
+    """Runs ``callback`` in a new greenlet of a green worker when :meth:`wake` is called from another
+    greenlet of its hub (the feed's): ``timer`` is the worker's, the pool's own greenlet timer, the
+    seam Celery uses for every callback it runs later in such a worker."""
+
+    def __init__(self, timer: Any, callback: Any) -> None:
+        self.timer, self.callback = timer, callback
+
+    def wake(self) -> None:
+        self.timer.call_after(0, self.callback)
+
+    def unwatch(self) -> None:
+        """Nothing is watched."""
+
+    def close(self) -> None:
+        """Nothing to close."""

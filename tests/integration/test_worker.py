@@ -279,7 +279,7 @@ def test_warm_shutdown_finishes_running_tasks_and_the_next_worker_commits_them_w
     assert set(r.hvals(f"demo:{run}:runs")) == {b"1"}
 
 
-@pytest.mark.parametrize("pool", ["threads", "solo"])
+@pytest.mark.parametrize("pool", ["threads", "solo", "gevent", "eventlet"])
 def test_other_pools_run_kafka_fed_tasks(overrides, processes, pool):
     app = create_app(**overrides)
     results = [due_in(app, "tasks.demo.add", (i, i)) for i in range(20)]

@@ -1,0 +1,79 @@
+"""Green worker pools (issue 42): ``celery worker -P gevent`` and ``-P eventlet`` run Celery's
+blocking consumer loop, without the event loop the Kafka feed hands records to in the other pools;
+their feed is a greenlet of the worker's hub that must never block it.  Each pool: tasks run once,
+many at once, retried through the store, parked when they fail for good; a warm stop loses nothing
+and runs nothing twice; a killed worker's tasks run again on another."""
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import redis
+
+from celery_delayed import store_of
+from celery_delayed.store.dlq import DeadLetters
+from tasks import create_app
+
+from .support import wait_for
+from .test_worker import due_in
+
+POOLS = ["gevent", "eventlet"]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_runs_delayed_tasks_at_once_retries_them_and_parks_failures(overrides, processes, pool):
+    """``-c 200``, 200 tasks of three seconds each due at once: they run concurrently (a pool fed one
+    task at a time would run them in turn, 600 s); one retries once
+    through the store; one fails for good and is parked in the dead-letter queue."""
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    when = datetime.now(timezone.utc) + timedelta(seconds=4)  # one due time: sent in turn, they would not overlap
+    many = [app.tasks["tasks.demo.overlap"].apply_async((run, 3.0), eta=when) for _ in range(200)]
+    retried = due_in(app, "tasks.demo.flaky", (run, 1, 1.0))  # fails once, retries 1 s later
+    failed = due_in(app, "tasks.demo.flaky", (run, 9, 0.2))  # max_retries=5: fails for good
+    processes.poller()
+    processes.worker("w1", "--pool", pool, "-c", "200")
+    for x in many:
+        x.get(timeout=90)
+    most = int(r.zscore(f"demo:{run}:overlap", "most") or 0)
+    print(f"\n{pool}: at most {most} of 200 three-second tasks ran at once")
+    assert most >= 150, f"only {most} of 200 ran at once"
+    assert retried.get(timeout=60) == 2
+    letter = wait_for(lambda: DeadLetters(store_of(app)).get(failed.id), 90, "the failed task in the dead-letter queue")
+    assert "attempt 6 failed" in letter.reason
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert all(runs[x.id] == 1 for x in many), "a task ran twice"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twice(overrides, processes, pool):
+    """A warm stop while tasks run: they finish, and the next worker commits their records without
+    running them again; then a kill -9 while tasks run: another worker runs them again once their
+    run claims lapse (``delayed_run_lease``)."""
+    overrides.update(delayed_topic_partitions=1)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first = processes.worker("w1", "--pool", pool, "-c", "10")
+    warm = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(5)]
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 5, 60, "the tasks to start")
+    assert processes.warm_stop(first) == 0
+    assert {x.get(timeout=10) for x in warm} == {x.id for x in warm}  # finished in the warm shutdown
+
+    second = processes.worker("w2", "--pool", pool, "-c", "10")
+    killed = [due_in(app, "tasks.demo.work", (run, 6.0)) for _ in range(5)]
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 10, 60, "the next tasks to start on the second worker")
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    processes.worker("w3", "--pool", pool, "-c", "10")
+    assert {x.get(timeout=120) for x in killed} == {x.id for x in killed}
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert [runs[x.id] for x in warm] == [1] * 5, "a task finished in a warm stop ran again"
+    assert [runs[x.id] for x in killed] == [2] * 5, "a killed worker's task did not run again, once"
+    assert {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in killed} == {"w3"}

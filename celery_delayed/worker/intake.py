@@ -135,10 +135,11 @@ class Intake:
             self._settle_once_parked(task_id, partition, offset)
 
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
-            self._release(task_id)
             if requeue:  # back through the store, due now, so the requeue survives any crash
+                self._untrack(task_id)
                 self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
             else:
+                self._release(task_id)
                 self._settle_once_parked(task_id, partition, offset)
 
         try:
@@ -230,9 +231,14 @@ class Intake:
         self._jobs.pop(task_id, None)
 
     def _requeue(self, task_id: str, data: bytes, attempt: int, partition: PartitionOffsets, offset: int) -> None:
-        """Put a rejected task back in the store, then settle it; while the store is down, try
-        again every second (unsettled meanwhile: a crash reads it again from Kafka)."""
+        """Give up a rejected task's run claim and put it back in the store, then settle it; while the
+        store is down, try again every second (unsettled meanwhile: a crash reads it again from Kafka).
+
+        The claim is given up first, at once: a copy dispatched before a later release reached Redis
+        would find it held and wait for it to lapse (a pool child killed by a stop that reached the
+        whole process group ran again a run lease late)."""
         try:
+            self.claims.release_now(task_id)
             self._put_back(task_id, data, attempt)
         except STORE_ERRORS as exc:
             logger.warning("task %s could not be requeued (%s); trying again in 1 s", task_id, exc)

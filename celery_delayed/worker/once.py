@@ -16,9 +16,12 @@ claim would expire, so it is never dropped.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Any, Callable, Sequence
@@ -68,6 +71,8 @@ class RunClaims:
         self._lock = threading.Lock()
         self._keeper = threading.Thread(target=self._keep, name="delayed-claims", daemon=True)
         self._keeper.start()
+        self._pid = os.getpid()  # a forked pool child inherits a copy it must not act on
+        _claims_of_this_process.add(self)
 
     def acquire_many(self, copies: Sequence[tuple[str, int]]) -> list[int]:
         """Claim each ``(task_id, attempt)`` (``attempt``: Celery's ``retries``), in order, in one
@@ -105,6 +110,23 @@ class RunClaims:
             self._held.discard(task_id)
             self._releasing.append(task_id)
 
+    def release_now(self, task_id: str) -> None:
+        """Give a claim up now, on the caller's thread: before a copy of the task is written where
+        another worker reads it, which must not find the claim held.  Raises a store error."""
+        self.forget(task_id)
+        self._release(keys=[self.keys.run(task_id)], args=[self.owner])
+
+    def release_all(self) -> None:
+        """Give up every claim held, as the process exits: the tasks that still hold one (a cold
+        stop ended them, Celery saying nothing) cannot end here any more, and their copies read
+        next must not wait for the claims to lapse.  Best effort: a store away lets them lapse."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._releasing.extend(self._held)
+            self._held.clear()
+        self.flush()
+
     def flush(self) -> None:
         """Tell Redis the pending releases; if it cannot be told, they are told with the next call
         (meanwhile the claims only lapse after their lease).  Called every 0.1 s at most, so a store
@@ -140,6 +162,18 @@ class RunClaims:
                 continue
             with self._lock:
                 self._held.difference_update(lost)
+
+
+#: The run claims of this process, each given up when it exits (:meth:`RunClaims.release_all`).
+_claims_of_this_process: weakref.WeakSet[RunClaims] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """A worker's cold shutdown (SIGQUIT, a second Ctrl-C) ends its running tasks without a word to
+    its consumer, nor ``worker_shutdown``; the process's exit is the last place to give their claims up."""
+    for claims in list(_claims_of_this_process):
+        claims.release_all()
 
 
 #: The finished record of a task id that ended for good (else: the attempt that retried).

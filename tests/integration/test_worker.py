@@ -379,3 +379,35 @@ def test_a_copy_waiting_for_a_run_claim_is_not_dispatched_again_and_again(overri
     print(f"\nthe task was dispatched {dispatched} times")
     assert r.hget(f"demo:{run}:runs", task_id) == b"1"
     assert dispatched <= 3, f"dispatched {dispatched} times while it waited for the claim"
+
+
+@pytest.mark.parametrize("stop, expected_runs", [("group-sigterm", 2), ("sigquit", 2), ("group-sigint", 1)])
+def test_a_task_whose_pool_child_dies_with_the_workers_stop_runs_again_at_once(overrides, processes, stop,
+                                                                               expected_runs):
+    """A stop that reaches the pool children (systemd's KillMode=control-group, supervisord's
+    stopasgroup: SIGTERM to the whole group) kills the task mid-run; Celery rejects it for requeue
+    (``task_reject_on_worker_lost``) and it goes back through the store.  Its run claim must be given up
+    before that copy can be read, or the next worker waits for it to lapse: 10.9 s late with a 10 s lease
+    (review, issue 42); 60 s here.  A cold stop (SIGQUIT) ends the task without a word to the consumer:
+    its claim is given up as the worker exits.  Ctrl-C in a terminal (SIGINT to the group) leaves the
+    pool child be: the task ends in the warm stop, once."""
+    overrides.update(delayed_run_lease=60)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first = processes.worker("w1", "-c", "1")
+    task = due_in(app, "tasks.demo.work", (run, 8.0))
+    wait_for(lambda: r.hget(f"demo:{run}:runs", task.id) == b"1", 60, "the task to start")
+    sig = {"group-sigterm": signal.SIGTERM, "group-sigint": signal.SIGINT, "sigquit": signal.SIGQUIT}[stop]
+    if stop.startswith("group"):
+        os.killpg(first.pid, sig)
+    else:
+        first.send_signal(sig)
+    first.wait(timeout=60)
+    processes.worker("w2", "-c", "1")
+    stopped = time.monotonic()
+    assert task.get(timeout=40) == task.id, "the task did not end well before its 60 s run claim would lapse"
+    runs = int(r.hget(f"demo:{run}:runs", task.id))
+    print(f"\n{stop}: the task ended {time.monotonic() - stopped:.1f} s after the worker stopped, run {runs} times")
+    assert runs == expected_runs

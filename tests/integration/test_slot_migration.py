@@ -1,0 +1,112 @@
+"""The store's scripts on a Redis Cluster slot being migrated (issue 41, item 9).
+
+While a slot is MIGRATING, its node runs a script on the slot's keys only while it holds
+every key the script declares, and a command inside the script on a key the node does not
+hold (moved on, or deleted by the script itself) fails the script midway, its earlier writes
+kept.  A script must then change nothing or leave every task where a claim finds it.
+
+Each test starts a cluster of its own (3 primaries, no replica, in ``tmp_path``): migrating
+a slot of the shared cluster would disturb the tests using that slot at the same time (every
+test's partition 0 is the slot of ``{0}``).  Keys stay on the source node: the slot is left
+MIGRATING for a few calls, then made STABLE again.
+"""
+from __future__ import annotations
+
+import subprocess
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import redis
+
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.outcomes import Change
+from tasks.processes import free_port, wait_for
+
+from .support import envelopes
+
+HOUR = 3_600_000
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[str]:
+    """A Redis Cluster of 3 primaries of this test's own, on free ports; its URL.  Killed by PID after."""
+    ports, servers = [free_port() for _ in range(3)], []
+    try:
+        for port in ports:
+            (tmp_path / str(port)).mkdir()
+            servers.append(subprocess.Popen(
+                ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--cluster-port", str(free_port()),
+                 "--cluster-enabled", "yes", "--dir", str(tmp_path / str(port)), "--save", "",
+                 "--logfile", str(tmp_path / f"{port}.log")]))
+        clients = [redis.Redis(port=port) for port in ports]
+        wait_for(lambda: all(_answers(client) for client in clients), 10, "the nodes to answer")
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        wait_for(lambda: all(client.cluster("info")["cluster_state"] == "ok" for client in clients), 30,
+                 "cluster_state:ok on every node")
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture
+def store(cluster) -> DelayedStore:
+    """A store of one partition (its keys: the slot of ``{0}``), every key its scripts declare present:
+    while the slot migrates, a script declaring a key its node lacks is refused before it runs."""
+    store = DelayedStore(Settings.from_mapping({"redis_url": cluster, "redis_cluster": True, "partitions": 1,
+                                                "key_prefix": "m", "visibility_timeout": 1}))
+    far = store.now_ms() + 9 * HOUR
+    store.schedule("unqueued", far, b"not an envelope")  # lane "": the partition's own bucket index
+    store.schedule_many(envelopes(1, "q", far + HOUR, prefix="retried"), attempt=1)  # the attempt HASH
+    store.schedule_many(envelopes(1, "q", store.now_ms() - 1000, prefix="flying"))
+    assert [item[0] for item in store.claim(0, token=1, limit=10).items] == ["flying-0"]  # inflight
+    return store
+
+
+@contextmanager
+def migrating(store: DelayedStore) -> Iterator[None]:
+    """The slot of partition 0 MIGRATING from its node to another (IMPORTING there), its keys left
+    on the source; STABLE again on both nodes after."""
+    slot = store.redis.keyslot(store.keys.msgs(0))
+    source = store.redis.get_node_from_key(store.keys.msgs(0))
+    target = next(node for node in store.redis.get_primaries() if node.name != source.name)
+    src, dst = redis.Redis(source.host, source.port), redis.Redis(target.host, target.port)
+    try:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.execute_command("CLUSTER", "MYID"))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.execute_command("CLUSTER", "MYID"))
+        yield
+    finally:
+        for node in (src, dst):
+            node.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+
+
+def claimed(store: DelayedStore) -> list[str]:
+    return sorted(item[0] for item in store.claim(0, token=1, limit=100).items)
+
+
+def test_a_task_rescheduled_out_of_a_bucket_it_was_alone_in_is_dispatched_at_its_new_time(store):
+    """Taking the task out emptied (deleted) its bucket, which the script then read again: it
+    failed with the task in no bucket, never dispatched (review of issue 41, item 9)."""
+    now = store.now_ms()
+    store.schedule_many([*envelopes(1, "q", now + HOUR, prefix="alone"), *envelopes(1, "q", now - 1000)])
+    with migrating(store):
+        assert store.reschedule_many([("alone-0", now - 1000)]) == {"alone-0": Change.DONE}  # to "task-0"'s bucket
+    assert claimed(store) == ["alone-0", "task-0"]
+
+
+def test_a_task_cancelled_out_of_a_bucket_it_was_alone_in_is_gone(store):
+    store.schedule_many(envelopes(1, "q", store.now_ms() + HOUR, prefix="alone"))
+    with migrating(store):
+        assert store.cancel("alone-0") is Change.DONE
+    assert store.get("alone-0") is None and store.counts()[0]["scheduled"] == 2  # "unqueued", "retried"

@@ -110,3 +110,17 @@ def test_a_task_cancelled_out_of_a_bucket_it_was_alone_in_is_gone(store):
     with migrating(store):
         assert store.cancel("alone-0") is Change.DONE
     assert store.get("alone-0") is None and store.counts()[0]["scheduled"] == 2  # "unqueued", "retried"
+
+
+def test_a_retry_moving_tasks_out_of_two_buckets_leaves_none_in_its_old_bucket(store):
+    """The moves emptied the first old bucket, read again before the second was left: the
+    third task stayed in its old bucket too, to be sent at its old time."""
+    now = store.now_ms()
+    store.schedule_many([*envelopes(2, "q", now + HOUR, prefix="x"), *envelopes(2, "q", now + 3 * HOUR, prefix="z"),
+                         *envelopes(1, "q", now + 2 * HOUR)])
+    retries = [(task_id, now + 2 * HOUR, data)
+               for task_id, _, data in [*envelopes(2, "q", 0, prefix="x"), *envelopes(1, "q", 0, prefix="z")]]
+    with migrating(store):
+        assert store.schedule_many(retries, attempt=1) == 3
+    bucket = store.redis.zrange(store.keys.bucket(0, (now + 3 * HOUR) // 10_000 * 10, "q"), 0, -1)
+    assert bucket == [b"z-1"]

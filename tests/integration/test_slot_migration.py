@@ -12,7 +12,9 @@ MIGRATING for a few calls, then made STABLE again.
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -124,3 +126,32 @@ def test_a_retry_moving_tasks_out_of_two_buckets_leaves_none_in_its_old_bucket(s
         assert store.schedule_many(retries, attempt=1) == 3
     bucket = store.redis.zrange(store.keys.bucket(0, (now + 3 * HOUR) // 10_000 * 10, "q"), 0, -1)
     assert bucket == [b"z-1"]
+
+
+def test_a_claim_whose_lapsed_claims_emptied_inflight_leaves_them_to_a_later_claim(store):
+    """The lapsed claim went back to a bucket and left inflight, emptying it; the claim took it out
+    of the bucket again, then could not add it to inflight (a key no longer on the node): the
+    task was in neither.  It now enters inflight first, and so stays in its bucket."""
+    time.sleep(1.2)  # past the claim of "flying-0"
+    keep_buckets(store, store.now_ms())
+    with migrating(store), pytest.raises(redis.ResponseError, match="non local key"):
+        store.claim(0, token=1, limit=100)
+    assert "flying-0" in claimed(store)
+
+
+def test_a_claim_emptying_a_bucket_returns_its_tasks(store):
+    """Taking a bucket's last tasks deleted it, which the claim then read again: it failed, its
+    tasks in flight but not sent until that claim lapsed."""
+    longer = DelayedStore(dataclasses.replace(store.settings, visibility_timeout=3600))
+    store.schedule_many(envelopes(1, "q", store.now_ms() - 1000, prefix="held"))
+    assert "held-0" in claimed(longer)  # in flight for an hour: the claim below finds no lapsed claim
+    store.schedule_many(envelopes(1, "q", store.now_ms() - 1000))
+    with migrating(store):
+        assert claimed(store) == ["task-0"]
+
+
+def keep_buckets(store: DelayedStore, start_ms: int) -> None:
+    """A task in each bucket of the 30 s from ``start_ms``: a script putting a task in the bucket of a
+    time within them (a lapsed claim's, a nack's) finds its key on the node."""
+    store.schedule_many((f"keeper-{i}", start_ms + i * 10_000, data)
+                        for i, (_, _, data) in enumerate(envelopes(4, "q", 0)))

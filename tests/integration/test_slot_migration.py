@@ -150,6 +150,16 @@ def test_a_claim_emptying_a_bucket_returns_its_tasks(store):
         assert claimed(store) == ["task-0"]
 
 
+def test_a_nack_that_emptied_inflight_returns_its_tasks_without_failing(store):
+    """Returning the first task emptied inflight, which the script then read again for the second."""
+    now = store.now_ms()
+    keep_buckets(store, now + HOUR)
+    (flying, stamp), = store.lapsed_claims(0, now + HOUR)
+    with migrating(store):
+        assert store.nack(0, [(flying, stamp), ("unclaimed", stamp)], delay_ms=HOUR) == 1
+    assert store.get(flying)["state"] == "scheduled" and store.get(flying)["due_ms"] >= now + HOUR
+
+
 def keep_buckets(store: DelayedStore, start_ms: int) -> None:
     """A task in each bucket of the 30 s from ``start_ms``: a script putting a task in the bucket of a
     time within them (a lapsed claim's, a nack's) finds its key on the node."""

@@ -16,7 +16,7 @@ import dataclasses
 import subprocess
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import redis
@@ -77,20 +77,29 @@ def store(cluster) -> DelayedStore:
 
 
 @contextmanager
-def migrating(store: DelayedStore) -> Iterator[None]:
-    """The slot of partition 0 MIGRATING from its node to another (IMPORTING there), its keys left
-    on the source; STABLE again on both nodes after."""
+def migrating(store: DelayedStore) -> Iterator[Callable[[str], None]]:
+    """The slot of partition 0 MIGRATING from its node to another (IMPORTING there), its keys left on
+    the source but those given to the function yielded, which moves a key to the target (MIGRATE);
+    after, those come back and the slot is STABLE again on both nodes."""
     slot = store.redis.keyslot(store.keys.msgs(0))
     source = store.redis.get_node_from_key(store.keys.msgs(0))
     target = next(node for node in store.redis.get_primaries() if node.name != source.name)
     src, dst = redis.Redis(source.host, source.port), redis.Redis(target.host, target.port)
+    moved = []
+
+    def move(key: str) -> None:
+        src.execute_command("MIGRATE", target.host, target.port, key, 0, 5000)
+        moved.append(key)
+
     try:
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.execute_command("CLUSTER", "MYID"))
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.execute_command("CLUSTER", "MYID"))
-        yield
+        yield move
     finally:
-        for node in (src, dst):
-            node.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        src.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+        for key in moved:  # back from the target, its slot still open, to the node owning the slot again
+            dst.execute_command("MIGRATE", source.host, source.port, key, 0, 5000)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
 
 
 def claimed(store: DelayedStore) -> list[str]:
@@ -158,6 +167,22 @@ def test_a_nack_that_emptied_inflight_returns_its_tasks_without_failing(store):
     with migrating(store):
         assert store.nack(0, [(flying, stamp), ("unclaimed", stamp)], delay_ms=HOUR) == 1
     assert store.get(flying)["state"] == "scheduled" and store.get(flying)["due_ms"] >= now + HOUR
+
+
+def test_a_nack_cut_short_by_a_lane_index_moved_on_leaves_its_task_in_flight_alone(store):
+    """A migration moves a slot's keys one by one: a lane's bucket index may be gone from the node
+    while its buckets are still there.  The task went into its bucket, then the index failed: it was
+    in flight and also in a bucket, to be claimed twice."""
+    now = store.now_ms()
+    keep_buckets(store, now + HOUR)
+    (flying, stamp), = store.lapsed_claims(0, now + HOUR)
+    with migrating(store) as move:
+        move(store.keys.buckets(0, "q"))
+        with pytest.raises(redis.ResponseError, match="non local key"):
+            store.nack(0, [(flying, stamp)], delay_ms=HOUR)
+    assert store.get(flying)["state"] == "inflight"
+    buckets = {store.keys.bucket(0, (now + HOUR + i * 10_000) // 10_000 * 10, "q") for i in range(4)}
+    assert [key for key in buckets if store.redis.zscore(key, flying) is not None] == []
 
 
 def keep_buckets(store: DelayedStore, start_ms: int) -> None:

@@ -118,12 +118,14 @@ local function take_from_bucket(lanes, index, prefix, id, message)
 end
 
 -- Put task `id` in bucket `bucket` of its lane at due time `due`, its stored `message`
--- (lane and envelope kept) recording the bucket.
+-- (lane and envelope kept) recording the bucket. The indexes come first: cut short by a key
+-- not on the node (see `gone`), this leaves at most an index entry ahead of its bucket, which
+-- a claim refreshes, never a task its indexes do not lead to.
 local function put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
   local lane = lane_of(message)
   local lane_index, lane_prefix = lane_keys(index, prefix, lane)
-  redis.call('ZADD', lane_prefix .. bucket, due, id)
   redis.call('ZADD', lane_index, 'LT', due, bucket)
   if lane ~= '' then redis.call('ZADD', lanes, 'LT', due, lane) end
+  redis.call('ZADD', lane_prefix .. bucket, due, id)
   redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. string.sub(message, 5))
 end

@@ -48,9 +48,28 @@ local function all_lanes(lanes)
   return out
 end
 
+-- The keys this script emptied, and so deleted. On a Redis Cluster, a script may use a key of a
+-- slot being migrated only while the key is on the node: a command on a key gone (moved on, or
+-- deleted by the script itself) fails the script midway, its earlier writes kept. So a key this
+-- script emptied reads as empty, never from Redis, and is not written again (scripts add before
+-- they remove).
+local gone = {}
+
+-- ZRANGE `key` `...`: nothing when `key` is gone.
+local function zrange(key, ...)
+  if gone[key] then return {} end
+  return redis.call('ZRANGE', key, ...)
+end
+
+-- ZREM `...` from ZSET `key`, noting in `gone` a key left empty.
+local function remove(key, ...)
+  local held = redis.call('ZCARD', key)
+  if redis.call('ZREM', key, ...) == held then gone[key] = true end
+end
+
 -- The earliest due time (ms) of lane index `lane_index`, or nil when the lane is empty.
 local function lane_head(lane_index)
-  local head = redis.call('ZRANGE', lane_index, 0, 0, 'WITHSCORES')[2]
+  local head = zrange(lane_index, 0, 0, 'WITHSCORES')[2]
   return head and tonumber(head)
 end
 
@@ -59,7 +78,7 @@ end
 -- holds a task.
 local function earliest_due(lanes, index, closed, skip)
   local first = lane_head(index)
-  local heads = redis.call('ZRANGE', lanes, 0, skip or 0, 'WITHSCORES')
+  local heads = zrange(lanes, 0, skip or 0, 'WITHSCORES')
   for i = 1, #heads, 2 do
     if not (closed and closed[heads[i]]) then
       local head = tonumber(heads[i + 1])
@@ -74,11 +93,11 @@ end
 -- index entry becomes its earliest remaining due time, or goes with the emptied bucket,
 -- and so does the lane's entry in the lanes ZSET.
 local function refresh_bucket(lanes, lane_index, key, bucket, lane)
-  local rest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  if rest[2] then redis.call('ZADD', lane_index, rest[2], bucket) else redis.call('ZREM', lane_index, bucket) end
+  local rest = zrange(key, 0, 0, 'WITHSCORES')
+  if rest[2] then redis.call('ZADD', lane_index, rest[2], bucket) else remove(lane_index, bucket) end
   if lane ~= '' then
     local head = lane_head(lane_index)
-    if head then redis.call('ZADD', lanes, head, lane) else redis.call('ZREM', lanes, lane) end
+    if head then redis.call('ZADD', lanes, head, lane) else remove(lanes, lane) end
   end
 end
 
@@ -88,21 +107,25 @@ local function bucket_key_of(index, prefix, message)
   return lane_prefix .. bucket_of(message)
 end
 
--- Take task `id` (stored as `message`) out of its bucket, refreshing the indexes.
+-- Take task `id` (stored as `message`) out of its bucket, refreshing the indexes; the bucket and
+-- its lane index are read before the first write (see `gone`).
 local function take_from_bucket(lanes, index, prefix, id, message)
   local lane, bucket = lane_of(message), bucket_of(message)
   local lane_index, lane_prefix = lane_keys(index, prefix, lane)
-  redis.call('ZREM', lane_prefix .. bucket, id)
+  redis.call('EXISTS', lane_index)
+  remove(lane_prefix .. bucket, id)
   refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
 end
 
 -- Put task `id` in bucket `bucket` of its lane at due time `due`, its stored `message`
--- (lane and envelope kept) recording the bucket.
+-- (lane and envelope kept) recording the bucket. The indexes come first: cut short by a key
+-- not on the node (see `gone`), this leaves at most an index entry ahead of its bucket, which
+-- a claim refreshes, never a task its indexes do not lead to.
 local function put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
   local lane = lane_of(message)
   local lane_index, lane_prefix = lane_keys(index, prefix, lane)
-  redis.call('ZADD', lane_prefix .. bucket, due, id)
   redis.call('ZADD', lane_index, 'LT', due, bucket)
   if lane ~= '' then redis.call('ZADD', lanes, 'LT', due, lane) end
+  redis.call('ZADD', lane_prefix .. bucket, due, id)
   redis.call('HSET', msgs, id, struct.pack('>I4', bucket) .. string.sub(message, 5))
 end

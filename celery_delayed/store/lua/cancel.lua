@@ -3,6 +3,9 @@
 -- cancelled here (the worker-side revoke covers it). The task's bucket and lane
 -- are read from the head of its message; if it was the bucket's earliest, the
 -- index gets the bucket's new earliest due time (or loses the emptied bucket).
+-- Every key is read before the first write, and none is used once emptied: on a Redis
+-- Cluster slot migration a key not on the node fails the script, and so only before it
+-- changed anything (`gone`, _buckets.lua).
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] attempt HASH

@@ -80,17 +80,17 @@ local out = {now, -1, deadline, 0}
 local function take(lane, most)
   local lane_index, lane_prefix = lane_keys(index, prefix, lane)
   local left = most
-  local buckets = redis.call('ZRANGE', lane_index, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, most)
+  local buckets = zrange(lane_index, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, most)
   for _, b in ipairs(buckets) do
     if left <= 0 then break end
     local key = lane_prefix .. b
     local due = redis.call('ZRANGE', key, '-inf', horizon, 'BYSCORE', 'LIMIT', 0, left, 'WITHSCORES')
     if #due > 0 then
       -- one variadic call per step, not one per task (ARGV[2] <= 5000: within unpack's reach);
-      -- the due are the bucket's first by rank, so they leave by rank, without a lookup each
+      -- in flight before they leave the bucket: inflight, when the expired above emptied it, is
+      -- gone from the node, and a slot migration fails the script at that ZADD (`gone`, _buckets.lua)
       local ids = {}
       for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
-      redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1)
       local claimed = {}
       for j, id in ipairs(ids) do
         claimed[#claimed + 1] = deadline
@@ -101,6 +101,9 @@ local function take(lane, most)
       for i = 1, #claimed, 2000 do  -- score/member pairs: chunks of 1000
         redis.call('ZADD', inflight, unpack(claimed, i, math.min(i + 1999, #claimed)))
       end
+      -- the due are the bucket's first by rank, so they leave by rank, without a lookup each
+      local held = redis.call('ZCARD', key)
+      if redis.call('ZREMRANGEBYRANK', key, 0, #ids - 1) == held then gone[key] = true end
       left = left - #ids
     end
     refresh_bucket(lanes, lane_index, key, b, lane)
@@ -138,7 +141,7 @@ end
 -- a capped lane closed with tasks still due is throttled; one whose next task is not due
 -- yet gives its due time, as an open lane does (a paused one never does)
 for lane, cap in pairs(caps) do
-  local head = redis.call('ZSCORE', lanes, lane)
+  local head = not gone[lanes] and redis.call('ZSCORE', lanes, lane)
   if cap <= 0 and head and tonumber(head) <= horizon then
     out[4] = 1
   elseif cap <= 0 and not paused[lane] then

@@ -5,7 +5,8 @@
 -- Each goes to the bucket of its new due time in its lane; its message records that bucket.
 -- The bucket is written before the task leaves inflight: on a Redis Cluster slot
 -- migration a bucket key (built here, not declared) can fail mid-script, and the
--- task must then still be in flight, to come back after its visibility timeout.
+-- task must then still be in flight, to come back after its visibility timeout; inflight,
+-- once emptied, is not read again (`gone`, _buckets.lua).
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] bucket width s   ARGV[3] delay ms,
@@ -22,13 +23,11 @@ local n = 0
 for i = 4, #ARGV, 2 do
   local id, stamp = ARGV[i], tonumber(ARGV[i + 1])
   local message = redis.call('HGET', msgs, id)
-  local held = tonumber(redis.call('ZSCORE', inflight, id)) == stamp  -- still this claim's copy
+  local held = not gone[inflight] and tonumber(redis.call('ZSCORE', inflight, id)) == stamp  -- still this claim's copy
   if held and message then
     put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message)
-    redis.call('ZREM', inflight, id)
     n = n + 1
-  elseif held then  -- claimed without a message (claim.lua): nothing to return, it only leaves inflight
-    redis.call('ZREM', inflight, id)
   end
+  if held then remove(inflight, id) end  -- claimed without a message (claim.lua), it only leaves inflight
 end
 return n

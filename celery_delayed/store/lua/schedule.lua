@@ -18,9 +18,10 @@
 -- behind its bucket start and lane (how cancel and reschedule find a task's bucket
 -- from its id), so this script only reads them back. One ZADD per bucket and one
 -- per lane for the indexes, whatever the number of tasks.
--- Every write that adds comes before any that removes, and every bucket key a
--- replacement touches is read first: on a Redis Cluster slot migration an
--- undeclared key fails the script early, never leaving a task in no bucket.
+-- Every write that adds comes before any that removes, every bucket key a replacement
+-- touches is read first, and no key is used once emptied: on a Redis Cluster slot
+-- migration a key not on the node fails the script early, never leaving a task in no
+-- bucket or in two (`gone`, _buckets.lua).
 -- When a new task is due sooner than everything already in its lane, the pollers
 -- are woken (PUBLISH) so they need not wait for their current sleep to end (a lane,
 -- not the partition: the partition's earliest task may be in a paused lane).
@@ -133,7 +134,7 @@ for _, entry in ipairs(moved) do
   local id, old, new = entry[1], entry[2], entry[3]
   local lane, bucket = lane_of(old), bucket_of(old)
   local lane_index, lane_prefix = lane_keys(index_key, prefix, lane)
-  if lane_prefix .. bucket ~= new then redis.call('ZREM', lane_prefix .. bucket, id) end
+  if lane_prefix .. bucket ~= new then remove(lane_prefix .. bucket, id) end
   refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
 end
 if wake then redis.call('PUBLISH', channel, earliest) end

@@ -78,8 +78,10 @@ def test_a_capped_queues_next_task_not_yet_due_is_the_partitions_next_due_time(o
 def test_a_queues_tokens_refill_at_its_rate_up_to_a_quarter_second_and_are_shared(overrides):
     settings = Settings.from_conf(overrides)
     one, other = DelayedStore(settings), DelayedStore(settings)  # two pollers' stores
+    began = time.monotonic()
     assert one.take_tokens("bulk", 100, 1000) == 25  # a new bucket is full: a quarter second's worth
-    assert other.take_tokens("bulk", 100, 1000) <= 1  # the same bucket
+    refilled = int((time.monotonic() - began) * 100) + 1  # what 100/s earned meanwhile (a busy machine)
+    assert other.take_tokens("bulk", 100, 1000) <= refilled  # the same bucket
     time.sleep(0.5)
     assert one.take_tokens("bulk", 100, 1000) == 25  # refilled, up to the quarter second
     assert one.take_tokens("bulk", 100, -10) == 0  # unused ones given back...

@@ -21,11 +21,14 @@ def test_every_task_message_is_sent_by_the_sender_amqp_creates():
 
 def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
     """consumer.py reads ``worker.state.active_requests`` and a consumer's ``strategies``, ``qos``,
-    ``hub`` and ``on_task_message`` (set up by Celery's own bootsteps)."""
+    ``hub``, ``timer``, ``pool`` (a green one says ``is_green``) and ``on_task_message`` (set up by
+    Celery's own bootsteps)."""
     assert {request.id for request in worker_state.active_requests} == set()  # a set-like of requests
     source = inspect.getsource(Consumer)
-    for name in ("strategies", "qos", "hub", "on_task_message"):
+    for name in ("strategies", "qos", "hub", "timer", "pool", "on_task_message"):
         assert f"self.{name}" in source, name
+    from celery.concurrency import eventlet, gevent
+    assert gevent.TaskPool.is_green and eventlet.TaskPool.is_green
 
 
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():

@@ -61,11 +61,11 @@ class _Intake:
 
 
 def _feed(intake: _Intake, records: list[str]) -> tuple[KafkaFeed, list]:
-    """A KafkaFeed's hand-over loop alone: its ready records, the intake, and a hub whose
-    ``call_later`` is recorded (the test calls ``_drain`` again itself, as the loop would)."""
+    """A KafkaFeed's hand-over loop alone: its ready records, the intake, and a timer whose
+    ``call_after`` is recorded (the test calls ``_drain`` again itself, as the loop would)."""
     later: list = []
     feed = object.__new__(KafkaFeed)
-    feed.c = SimpleNamespace(hub=SimpleNamespace(call_later=lambda delay, fn, *args: later.append(fn)))
+    feed.c = SimpleNamespace(timer=SimpleNamespace(call_after=lambda delay, fn, args=(): later.append(fn)))
     feed.intake, feed._ready_lock, feed._scheduled = intake, threading.Lock(), True
     feed._ready = deque(Arrival(record=r, partition=None, read_ms=0) for r in records)
     feed._reading = threading.Event()

@@ -87,7 +87,7 @@ def strategy(message, body, on_ack, on_reject, callbacks):
     requests.append(Request(message, app=app, task=task, on_ack=on_ack, on_reject=on_reject))
 
 c = SimpleNamespace(app=app, on_task_message=set(),
-                    hub=SimpleNamespace(call_later=lambda delay, fn, *args: later.append((fn, args))))
+                    timer=SimpleNamespace(call_after=lambda delay, fn, args=(): later.append((fn, args))))
 offsets, key = OffsetTracker(), ("t", 0)
 offsets.assign([key])
 intake = Intake(c, app.amqp.delayed_store, SimpleNamespace(release=lambda task_id: None), offsets, lambda: None)

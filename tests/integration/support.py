@@ -29,8 +29,8 @@ from celery_delayed.store.keys import Keys
 from tasks.processes import ROOT, Processes, environment, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
-__all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer", "Starver",
-           "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
+__all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer",
+           "Starver", "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
            "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for", "wait_for_wake_up"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))

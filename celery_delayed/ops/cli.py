@@ -11,14 +11,16 @@ import logging
 import signal
 import textwrap
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from typing import Callable, Iterator
 
 import click
 import prometheus_client
 from confluent_kafka import KafkaException
+from kombu import Connection
 from kombu.exceptions import OperationalError
+from celery import Celery
 from celery.bin.base import CeleryCommand, handle_preload_options
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -228,8 +230,9 @@ def _bulk_filter(store: DelayedStore, fields: dict) -> Filter | None:
 
 
 def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
-          act: Callable[[browse.Progress], dict]) -> None:
-    """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count."""
+          act: Callable[[browse.Progress], dict]) -> dict | None:
+    """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count.
+    Returns what ``act`` counted (None when it did not act)."""
     with _progress("counting") as progress, _store_errors():
         matched = browse.count(store, flt, progress)
     what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
@@ -243,6 +246,7 @@ def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
     with _progress(verb) as progress, _store_errors():
         counted = act(progress)
     click.echo(", ".join(f"{k} {v}" for k, v in counted.items()))
+    return counted
 
 
 @contextmanager
@@ -377,18 +381,34 @@ def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: boo
             raise click.ClickException(f"{len(pollers)} poller(s) running ({', '.join(pollers)}): stop them first, "
                                        "or pass --force (a task they dispatch while it is drained would reach "
                                        "Kafka as well as the broker)")
-    with _store_errors():
-        returned, claimed = drain.return_lapsed_claims(store) if not dry_run else (0, 0)
-    if returned:
-        click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
-    try:
-        _bulk(store, flt, "send to the broker", dry_run, yes, lambda progress: drain.to_broker(app, flt, progress))
-    except OperationalError as exc:
-        raise click.ClickException(f"Celery's broker is unreachable ({exc}): run drain again once it is back "
-                                   "(what was sent is out of the store, the rest still in it)") from None
+    broker = app.connection_for_write().as_uri()  # its password masked
+    with nullcontext() if dry_run else _broker_connection(app, broker) as connection:
+        with _store_errors():
+            returned, claimed = drain.return_lapsed_claims(store) if not dry_run else (0, 0)
+        if returned:
+            click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
+        try:
+            counted = _bulk(store, flt, "send to the broker", dry_run, yes,
+                            lambda progress: drain.to_broker(app, connection, flt, progress))
+        except OperationalError as exc:
+            raise click.ClickException(f"Celery's broker {broker} stopped answering ({exc}): run drain again once "
+                                       "it answers (what was sent is out of the store, the rest still in it)") from None
+    if counted and counted["running"]:
+        click.echo(f"{counted['running']} tasks run now from Kafka (a copy their poller delivered): left in the "
+                   "store; run drain again once they ended")
     if claimed:
         click.echo(f"{claimed} tasks are still claimed by a poller (dispatching them, or dead for less than "
                    "delayed_visibility_timeout): run drain again once that has passed")
+
+
+def _broker_connection(app: Celery, broker: str) -> Connection:
+    """The drain's connection to Celery's broker (:func:`.drain.connect`); a one-line error, before the
+    store is touched, when the broker cannot be reached or does not answer."""
+    try:
+        return drain.connect(app)
+    except OperationalError as exc:
+        raise click.ClickException(f"Celery's broker {broker} is unreachable or does not answer ({exc}): nothing "
+                                   "was sent or removed; run drain again once it answers") from None
 
 
 @delayed.command(cls=CeleryCommand)

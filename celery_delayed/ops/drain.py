@@ -8,6 +8,17 @@ then removed from the store.  One task at a time: a drain killed at any point
 loses nothing and, run again, sends at most the one task it was sending twice.
 Pollers must be stopped first (:func:`running_pollers`): a poller dispatching a
 task while it is drained would send it through Kafka as well.
+
+A task may have run from Kafka already, or run now: its poller died after
+delivering it but before telling the store (its claim lapsed and the drain
+schedules it again), or a drain beside live pollers.  Such a task is not sent:
+each is checked as a worker checks a copy from Kafka (:func:`.once.look`), one
+that ended is removed from the store, one that runs is left for a second run.
+The task a drain sends carries the :data:`.once.DRAINED` header, so that an
+installed worker still runs it only once should a Kafka copy start after the
+check (:mod:`.worker.drained`).  The broker is reached within bounded time
+(:func:`connect`): one that does not answer ends the drain before it changes
+anything.
 """
 from __future__ import annotations
 
@@ -15,13 +26,23 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from kombu import Connection
+
 from celery_delayed.client.intercept import header_ms
-from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError
+from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError, attempt_of
 from celery_delayed.ops import browse
 from celery_delayed.poller.leadership import make_etcd
+from celery_delayed.store.revoke import record_revoked
+from celery_delayed.worker.intake import replace_key
+from celery_delayed.worker.once import DRAINED, Admit, Copy, look
 
 #: Ids of unreadable stored messages a drain names (it counts them all).
 NAMED = 20
+#: Longest a drain tries to reach the broker, over all its tries (s); each try is bounded by
+#: ``broker_connection_timeout``.
+CONNECT_WITHIN = 10.0
+#: Transports whose socket reads wait for ever unless given a timeout (kombu's Redis transport options).
+SOCKET_TIMEOUTS = {"redis": ("socket_connect_timeout", "socket_timeout")}
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -50,17 +71,38 @@ def return_lapsed_claims(store: DelayedStore) -> tuple[int, int]:
     return returned, sum(row["inflight"] for row in store.counts())
 
 
+def connect(app: Celery) -> Connection:
+    """A connection to ``app``'s broker, established, each of whose socket operations gives up after
+    ``broker_connection_timeout`` (on Redis: its socket timeouts, unless the app sets its own), tried for
+    :data:`CONNECT_WITHIN` s at most.  Raises kombu's ``OperationalError`` when the broker cannot be
+    reached or does not answer, as a publish on it does (within ``task_publish_retry_policy``)."""
+    timeout = app.conf.broker_connection_timeout
+    connection = app.connection_for_write()
+    options = dict(app.conf.broker_transport_options)
+    for name in SOCKET_TIMEOUTS.get(connection.transport.driver_type, ()):
+        options[name] = options.get(name) or timeout
+    connection = connection.clone(transport_options=options)
+    try:
+        return connection.ensure_connection(max_retries=app.conf.broker_connection_max_retries,
+                                            timeout=CONNECT_WITHIN)
+    except BaseException:
+        connection.release()
+        raise
+
+
 def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int) -> dict[str, Any]:
     """What ``Producer.publish`` takes to send ``envelope`` as Celery would have, due at ``due_ms``: its
-    body untouched, its headers with ``eta``; its queue declared (the app's definition, or as Celery makes a
-    missing one) and the message sent to it by name through the default exchange, as Celery sends to a direct
-    queue, so it lands in that queue whatever bindings the broker has; Celery's delivery mode, and its
-    ``expiration`` from ``expires`` (seconds left at ``now_ms``, at least 0)."""
+    body untouched, its headers with ``eta`` (and :data:`.once.DRAINED`); its queue declared (the app's
+    definition, or as Celery makes a missing one) and the message sent to it by name through the default
+    exchange, as Celery sends to a direct queue, so it lands in that queue whatever bindings the broker has;
+    Celery's delivery mode and publish retry policy, and its ``expiration`` from ``expires`` (seconds left
+    at ``now_ms``, at least 0)."""
     queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)
     eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
     args = {"body": envelope.body, "exchange": "", "routing_key": envelope.queue,
-            "headers": {**envelope.headers, "eta": eta}, "content_type": envelope.content_type,
+            "headers": {**envelope.headers, "eta": eta, DRAINED: now_ms}, "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "declare": [queue], "retry": True,
+            "retry_policy": app.conf.task_publish_retry_policy,
             "delivery_mode": getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode,
             **envelope.properties}
     if (expires_ms := header_ms(envelope.headers, "expires")) is not None:
@@ -68,35 +110,55 @@ def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int) -> d
     return args
 
 
-def to_broker(app: Celery, flt: browse.Filter, progress: browse.Progress | None = None) -> dict[str, int]:
-    """Publish every scheduled task ``flt`` selects to ``app``'s broker with its ETA, then remove it
-    from the store; returns how many were ``sent``, how many had ``moved on`` meanwhile (a poller
-    claimed or someone removed them between the read and the removal: sent all the same) and how many
-    were ``left`` because their stored message is not one of a task (their ids in ``unreadable``, up to
-    :data:`NAMED`: see ``delayed show``, then cancel them)."""
+def to_broker(app: Celery, connection: Connection, flt: browse.Filter,
+              progress: browse.Progress | None = None) -> dict[str, Any]:
+    """Publish every scheduled task ``flt`` selects to ``app``'s broker (on ``connection``, see
+    :func:`connect`) with its ETA, then remove it from the store; returns how many were ``sent``, how
+    many had ``moved on`` meanwhile (a poller claimed or someone removed them between the read and the
+    removal: sent all the same), how many were not sent: ``already run`` (ended: removed from the store),
+    ``revoked`` (revoked, or replaced under their key: recorded REVOKED, removed), ``running`` (a copy
+    from Kafka runs now: left in the store, for a drain once it ended), and how many were ``left``
+    because their stored message is not one of a task (their ids in ``unreadable``, up to :data:`NAMED`:
+    see ``delayed show``, then cancel them)."""
     store: DelayedStore = app.amqp.delayed_store
-    totals: dict[str, Any] = {"sent": 0, "moved on": 0, "left": 0}
+    totals: dict[str, Any] = {"sent": 0, "moved on": 0, "already run": 0, "revoked": 0, "running": 0, "left": 0}
     unreadable: list[str] = []
-    with app.producer_pool.acquire(block=True) as producer:
-        def act(matches: list[dict]) -> None:
-            for item in matches:
-                task_id = item["task_id"]
-                stored = store.message(task_id)
-                if stored is None:  # gone since the walk read it
-                    continue
-                try:
-                    envelope = Envelope.decode(stored)
-                except EnvelopeError:
-                    totals["left"] += 1
-                    unreadable.append(task_id)
-                    continue
+    producer = connection.Producer()
+
+    def remove(task_id: str, envelope: Envelope) -> bool:
+        """Out of the store (its key released); False when it was no longer scheduled."""
+        removed = store.cancel_many([task_id])[task_id]
+        if isinstance(removed, bytes) and (key := envelope.headers.get(KEY_HEADER)):
+            store.release_key(key, task_id)
+        return isinstance(removed, bytes)
+
+    def act(matches: list[dict]) -> None:
+        found: list[tuple[dict, Envelope]] = []
+        for item in matches:
+            stored = store.message(item["task_id"])
+            if stored is None:  # gone since the walk read it
+                continue
+            try:
+                found.append((item, Envelope.decode(stored)))
+            except EnvelopeError:
+                totals["left"] += 1
+                unreadable.append(item["task_id"])
+        copies = [Copy(e.task_id, attempt_of(e.headers), replace_key(e.headers)) for _, e in found]
+        for (item, envelope), verdict in zip(found, look(store, copies, app.backend)):
+            task_id = envelope.task_id
+            if verdict.admit is Admit.BUSY:
+                totals["running"] += 1
+            elif verdict.admit is Admit.FINISHED:
+                remove(task_id, envelope)
+                totals["already run"] += 1
+            elif verdict.admit is not Admit.RUN:  # revoked, or replaced under its key
+                record_revoked(app, task_id, envelope, reason=verdict.admit.value)
+                remove(task_id, envelope)
+                totals["revoked"] += 1
+            else:
                 producer.publish(**publish_args(app, envelope, item["due_ms"], int(time.time() * 1000)))
-                removed = store.cancel_many([task_id])[task_id]  # only after the broker has it
-                totals["sent" if isinstance(removed, bytes) else "moved on"] += 1
-                if isinstance(removed, bytes) and (key := envelope.headers.get(KEY_HEADER)):
-                    store.release_key(key, task_id)
+                totals["sent" if remove(task_id, envelope) else "moved on"] += 1  # only after the broker has it
 
-        for _ in browse.walk(store, flt, progress, act):
-            pass
+    for _ in browse.walk(store, flt, progress, act):
+        pass
     return {**totals, **({"unreadable": ", ".join(unreadable[:NAMED])} if unreadable else {})}
-

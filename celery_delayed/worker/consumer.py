@@ -35,7 +35,8 @@ from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.durability import worker_preflight
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
 from celery_delayed.worker.offsets import OffsetTracker
-from celery_delayed.worker.once import Admit, Copy, RunClaims, admit
+from celery_delayed.worker.drained import guard_drained
+from celery_delayed.worker.once import ADMISSION_RETRY, Admit, Copy, RunClaims, admit
 from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ MAX_POLL_GAP = 60.0
 #: Records of one Kafka partition read and not yet committable (settled ones behind a task
 #: still running) at which that partition is paused; each would run again if the worker died.
 MAX_UNCOMMITTED = 10_000
-#: Seconds between two tries of an admission that failed (the store or result backend down).
-ADMISSION_RETRY = 1.0
 #: Longest a stopping feed polls for the revoke of its partitions after unsubscribing, before it
 #: closes its consumer anyway (the revoke takes ~0.1 s).
 LEAVE_TIMEOUT = 10.0
@@ -91,6 +90,7 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
         self.feed = KafkaFeed(c, self.claims)
         self.claims = self.feed.claims
         self.feed.start()
+        guard_drained(c, self.claims)
 
     def stop(self, c: Any) -> None:
         if self.feed is not None:

@@ -48,6 +48,12 @@ class Refused(IntEnum):
 #: process that runs the task knows to remember when it finished; its value says when
 #: the task was claimed, produced, read and handed to Celery (ms since the epoch).
 FROM_KAFKA = "x_celery_delayed"
+#: Header ``delayed drain --to-broker`` adds to each task it publishes to Celery's broker: an
+#: installed worker runs such a message only as it runs a copy from Kafka, once per task id
+#: (:mod:`.drained`), and remembers when it finished; its value: when it was sent (ms since the epoch).
+DRAINED = "x_celery_delayed_drained"
+#: Seconds between two tries of an admission that failed (the store or result backend down).
+ADMISSION_RETRY = 1.0
 
 
 class RunClaims:
@@ -84,9 +90,7 @@ class RunClaims:
             pipe = self.redis.pipeline(transaction=False)
             for task_id in releasing:
                 self._release(keys=[self.keys.run(task_id)], args=[self.owner], client=pipe)
-            for task_id, attempt in copies:
-                self._acquire(keys=[self.keys.task(kind, task_id) for kind in ("run", "revoked", "done")],
-                              args=[self.owner, self.lease_ms, attempt], client=pipe)
+            _acquire(self._acquire, self.keys, pipe, copies, self.owner, self.lease_ms)
             replies = execute(self.redis, pipe)[len(releasing):]
         except BaseException:  # told again with the next round trip, still before any claim
             with self._lock:
@@ -95,7 +99,7 @@ class RunClaims:
         claimed = [task_id for (task_id, _), wait_ms in zip(copies, replies) if wait_ms == 0]
         with self._lock:
             self._held.update(claimed)
-        return [Refused(wait_ms) if wait_ms < 0 else wait_ms for wait_ms in replies]
+        return _outcomes(replies)
 
     def forget(self, task_id: str) -> None:
         """Stop extending a claim without giving it up: it lapses after its lease, unless released."""
@@ -221,14 +225,41 @@ def admit(claims: RunClaims, copies: Sequence[Copy], backend: Any,
     taken = claims.acquire_many([(c.task_id, c.attempt) for c in copies])
     verdicts: list[Verdict] = []
     try:
-        metas = finished_many(backend, [c.task_id for c in copies])
-        holders = {key: key_holder(key) for key in {c.key for c in copies if c.key is not None}}
-        verdicts = [_verdict(copy, claim, metas, holders) for copy, claim in zip(copies, taken)]
+        verdicts = _judge(copies, taken, backend, key_holder)
         return verdicts
     finally:
         for i, (copy, claim) in enumerate(zip(copies, taken)):
             if claim == 0 and (i >= len(verdicts) or verdicts[i].admit is not Admit.RUN):
                 claims.release(copy.task_id)
+
+
+def look(store: DelayedStore, copies: Sequence[Copy], backend: Any) -> list[Verdict]:
+    """What :func:`admit` would decide for each copy, taking no run claim: a drain's check before
+    it sends a task to the broker (RUN: neither ended nor running now).  Two round trips."""
+    pipe = store.redis.pipeline(transaction=False)
+    _acquire(store.scripts["acquire"], store.keys, pipe, [(c.task_id, c.attempt) for c in copies], "", 0)
+    return _judge(copies, _outcomes(execute(store.redis, pipe)), backend, store.key_holder)
+
+
+def _acquire(script: Any, keys: Any, pipe: Any, copies: Sequence[tuple[str, int]], owner: str, lease_ms: int) -> None:
+    """Queue ``lua/acquire.lua`` on ``pipe`` for each ``(task_id, attempt)`` (lease 0: look only)."""
+    for task_id, attempt in copies:
+        script(keys=[keys.task(kind, task_id) for kind in ("run", "revoked", "done")],
+               args=[owner, lease_ms, attempt], client=pipe)
+
+
+def _outcomes(replies: Sequence[int]) -> list[int]:
+    """``lua/acquire.lua``'s replies: 0 (claimed, or free), a :class:`Refused`, else ms until the claim expires."""
+    return [Refused(wait_ms) if wait_ms < 0 else wait_ms for wait_ms in replies]
+
+
+def _judge(copies: Sequence[Copy], taken: Sequence[int], backend: Any,
+           key_holder: Callable[[str], str | None]) -> list[Verdict]:
+    """The verdict of each copy from its claim's outcome, the result backend (one more round trip)
+    and the holders of the copies' keys."""
+    metas = finished_many(backend, [c.task_id for c in copies])
+    holders = {key: key_holder(key) for key in {c.key for c in copies if c.key is not None}}
+    return [_verdict(copy, claim, metas, holders) for copy, claim in zip(copies, taken)]
 
 
 def _verdict(copy: Copy, claim: int, metas: dict[str, dict], holders: dict[str, str | None]) -> Verdict:
@@ -265,7 +296,7 @@ def finished_many(backend: Any, task_ids: Sequence[str]) -> dict[str, dict]:
 
 def remember_finished(app: Celery) -> None:
     """Connect a ``task_postrun`` handler recording, for ``delayed_done_ttl`` seconds, where the
-    task ran, each task id from Kafka that ended in a terminal state (as :data:`ENDED`) or in a
+    task ran, each task id from Kafka (or a drain) that ended in a terminal state (as :data:`ENDED`) or in a
     retry (as the number of the attempt that retried: its late copies must not run again)."""
 
     def on_postrun(sender: Task | None = None, task_id: str | None = None, state: str | None = None,
@@ -279,7 +310,7 @@ def remember_finished(app: Celery) -> None:
                                      "replaced_task_nesting": sender.request.replaced_task_nesting}))
         else:
             return
-        if not getattr(sender.request, FROM_KAFKA, None):
+        if not (getattr(sender.request, FROM_KAFKA, None) or getattr(sender.request, DRAINED, None)):
             return
         store = app.amqp.delayed_store
         key = getattr(sender.request, KEY_HEADER, None)

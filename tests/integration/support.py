@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -28,8 +29,8 @@ from celery_delayed.store.keys import Keys
 from tasks.processes import ROOT, Processes, environment, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
-__all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "Starver",
-           "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
+__all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer",
+           "Starver", "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
            "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for", "wait_for_wake_up"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
@@ -265,5 +266,38 @@ class Starver:
                 pass
 
     def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (a hung broker), for
+    at most ``limit_s``; ``port`` is where it listens.  A context manager: closed, with every
+    connection it accepted, on exit."""
+
+    def __init__(self, limit_s: float = 300.0) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._accepted: list[socket.socket] = []
+        self._done = threading.Event()
+        self._limit_s = limit_s
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + self._limit_s
+        while not self._done.is_set() and time.monotonic() < deadline:
+            try:
+                self._accepted.append(self._listener.accept()[0])
+            except socket.timeout:
+                pass
+        for sock in [*self._accepted, self._listener]:
+            sock.close()
+
+    def __enter__(self) -> "SilentServer":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
         self._done.set()
         self._thread.join(timeout=10)

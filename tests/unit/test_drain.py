@@ -3,6 +3,7 @@ from kombu import Exchange, Queue
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.ops.drain import publish_args
+from celery_delayed.worker.once import DRAINED
 
 DUE_MS = 1_796_000_000_123
 
@@ -17,7 +18,8 @@ def envelope(queue: str, headers: dict | None = None, **kw) -> Envelope:
 def test_a_drained_message_is_the_stored_one_with_its_due_time_as_eta_sent_to_its_queue_by_name():
     app = Celery("drain-unit", set_as_current=False)
     args = publish_args(app, envelope("reports"), DUE_MS, DUE_MS - 60_000)
-    assert args["headers"] == {"task": "t.add", "id": "abc", "retries": 2, "eta": "2026-11-30T00:53:20.123000+00:00"}
+    assert args["headers"] == {"task": "t.add", "id": "abc", "retries": 2, "eta": "2026-11-30T00:53:20.123000+00:00",
+                               DRAINED: DUE_MS - 60_000}  # when sent: an installed worker runs it only once
     assert args["body"] == b"[[1], {}, {}]"
     # as Celery sends to a direct queue: the default exchange, the queue's name as routing key
     assert (args["exchange"], args["routing_key"], [q.name for q in args["declare"]]) == ("", "reports", ["reports"])

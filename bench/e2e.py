@@ -5,8 +5,8 @@ Each figure is measured twice in the same run, on the same worker command:
 - **kafka**: celery-delayed's path (store -> poller -> Kafka -> worker);
 - **broker**: plain Celery on the Redis broker (the baseline).
 
-Throughput: N tasks already due, one worker (prefork, 2 processes) started on
-them; tasks/s from the first to the last task started.  Baseline: the same N
+Throughput: N tasks already due, one worker (``--pool``: prefork with 2 processes, or a green
+pool of 50 greenlets) started on them; tasks/s from the first to the last task started.  Baseline: the same N
 tasks waiting on the broker queue.  Lag: tasks scheduled at a fixed rate with a
 2 s countdown; lag = task start - due time.  Baseline: Celery's own ETA
 handling (the worker holds each task in memory until due).  On the Kafka path
@@ -16,6 +16,7 @@ names its hop.  ``--load`` measures everything twice: quiet, and beside a
 busy neighbour (one process spinning one core for the whole run).
 
     python -m bench.e2e [--quick] [--load] [--repeat K] [--tasks N] [--rate R] [--duration S]
+                        [--pool prefork|gevent|eventlet]
 
 Writes bench/results/e2e-<time>.json and .png (lag distributions).
 """
@@ -43,6 +44,10 @@ from tasks import create_app
 from tasks.processes import Processes, wait_for
 
 console = Console()
+
+#: The worker command of each ``--pool``, the same for both paths.
+POOLS = {"prefork": ("-c", "2"), "gevent": ("--pool", "gevent", "-c", "50"),
+         "eventlet": ("--pool", "eventlet", "-c", "50")}
 
 
 def _remove(overrides: dict[str, Any]) -> None:
@@ -80,7 +85,7 @@ def wait_fired(client: redis.Redis, run: str, n: int, progress: Progress, label:
     progress.update(job, completed=n)
 
 
-def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
+def throughput(path: str, n: int, pool: str, progress: Progress, logdir: Path) -> dict[str, Any]:
     """Tasks/s through one worker, for N tasks already due when it starts."""
     overrides = new_overrides(partitions=8)
     app = create_app(**overrides)
@@ -102,7 +107,7 @@ def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str,
         if path == "kafka":
             procs.poller()
             time.sleep(max(0.0, due_ms / 1000 - time.time()) + 1)  # all due and on Kafka...
-        procs.worker("bench", "-c", "2")  # ...before the worker starts
+        procs.worker("bench", *POOLS[pool])  # ...before the worker starts
         wait_fired(client, run, n, progress, f"{path}: run {n}", timeout=max(120.0, n / 20))
         starts = [due_ms + lag for lag in lags_of(client, run)]
         span = (max(starts) - min(starts)) / 1000
@@ -114,7 +119,7 @@ def throughput(path: str, n: int, progress: Progress, logdir: Path) -> dict[str,
         _remove(overrides)
 
 
-def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path) -> dict[str, Any]:
+def lag(path: str, rate: int, duration: float, pool: str, progress: Progress, logdir: Path) -> dict[str, Any]:
     """Lag from due time to task start, tasks scheduled at ``rate``/s with a 2 s countdown."""
     overrides = new_overrides(partitions=8)
     if path == "broker":
@@ -128,7 +133,7 @@ def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path)
     try:
         if path == "kafka":
             procs.poller()
-        procs.worker("bench", "-c", "2")
+        procs.worker("bench", *POOLS[pool])
         warm = fire.apply_async((run + "-warm", int((time.time() + 1.5) * 1000)), countdown=1.5)
         wait_for(lambda: client.hlen(f"demo:{run}-warm:runs"), 60, "the warm-up task")
         job = progress.add_task(f"{path}: {rate}/s for {duration:.0f} s", total=n)
@@ -150,7 +155,7 @@ def lag(path: str, rate: int, duration: float, progress: Progress, logdir: Path)
         _remove(overrides)
 
 
-def profile(name: str, n: int, rate: int, duration: float, repeat: int, progress: Progress,
+def profile(name: str, n: int, rate: int, duration: float, repeat: int, pool: str, progress: Progress,
             logdir: Path) -> dict[str, Any]:
     """Both paths' throughput and lag, quiet or (``load``) beside a CPU hog running all along.
 
@@ -158,15 +163,16 @@ def profile(name: str, n: int, rate: int, duration: float, repeat: int, progress
     hits both; the ratio compares the median p99 of each path's runs."""
     hog = cpu_hog(3600) if name == "load" else None
     try:
-        rates = [throughput(path, n, progress, logdir) for path in ("broker", "kafka")]
-        runs = [lag(path, rate, duration, progress, logdir) for _ in range(repeat) for path in ("broker", "kafka")]
+        rates = [throughput(path, n, pool, progress, logdir) for path in ("broker", "kafka")]
+        runs = [lag(path, rate, duration, pool, progress, logdir) for _ in range(repeat)
+                for path in ("broker", "kafka")]
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
     p99 = {path: statistics.median(r["lag_ms"]["p99"] for r in runs if r["path"] == path)
            for path in ("broker", "kafka")}
-    return {"profile": name, "throughput": rates, "lag": runs[-2:], "lag_runs": runs, "lag_p99_median_ms": p99,
+    return {"profile": name, "pool": pool, "throughput": rates, "lag": runs[-2:], "lag_runs": runs, "lag_p99_median_ms": p99,
             "throughput_ratio": rates[1]["per_s"] / rates[0]["per_s"],
             "apply_async_ratio": rates[1]["apply_async_ms"] / rates[0]["apply_async_ms"],
             "lag_p99_ratio": p99["kafka"] / max(p99["broker"], 1)}
@@ -174,8 +180,8 @@ def profile(name: str, n: int, rate: int, duration: float, repeat: int, progress
 
 def report(result: dict[str, Any], n: int, rate: int, duration: float) -> None:
     """Print one profile's tables: both paths side by side, then the Kafka path's hops."""
-    table = Table("path", "tasks/s (1 worker, 2 procs)", "apply_async (ms/call)", "lag p50", "lag p99", "lag max",
-                  "lost", title=f"{result['profile']}: {n} tasks; lag at {rate}/s for {duration:.0f} s")
+    table = Table("path", "tasks/s (1 worker)", "apply_async (ms/call)", "lag p50", "lag p99", "lag max",
+                  "lost", title=f"{result['profile']}, {result['pool']} worker: {n} tasks; lag at {rate}/s for {duration:.0f} s")
     for t, l in zip(result["throughput"], result["lag"]):
         s = l["lag_ms"]
         table.add_row(t["path"], f"{t['per_s']:.0f}", f"{t['apply_async_ms']:.2f}", f"{s['p50']:.0f} ms",
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, help="tasks/s for the lag runs (default 100; quick 50)")
     parser.add_argument("--duration", type=float, help="seconds of the lag runs (default 20; quick 6)")
     parser.add_argument("--repeat", type=int, default=1, help="lag runs per path, alternating (default 1)")
+    parser.add_argument("--pool", choices=sorted(POOLS), default="prefork",
+                        help="the worker's pool, the same for both paths (default prefork -c 2; green: -c 50)")
     opts = parser.parse_args(argv)
     n = opts.tasks or (500 if opts.quick else 3000)
     rate = opts.rate or (50 if opts.quick else 100)
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ran_on = versions()
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in ran_on.items()))
     with Progress(console=console) as progress:
-        results = [profile(name, n, rate, duration, opts.repeat, progress, logdir)
+        results = [profile(name, n, rate, duration, opts.repeat, opts.pool, progress, logdir)
                    for name in (("quiet", "load") if opts.load else ("quiet",))]
     for result in results:
         report(result, n, rate, duration)

@@ -8,8 +8,9 @@ start, how often it ran and the worker that started it) one task at a time with
 ``--settle`` s apart, each timestamped:
 
 1. **rolling**: each worker in turn gets SIGTERM to its main process (a warm shutdown, as
-   ``Processes.warm_stop`` sends it), then a new worker is started and waited for ("ready."),
-   then the next;
+   ``Processes.warm_stop`` sends it; with ``--stop group``, to its whole process group, as systemd's
+   ``KillMode=control-group`` and supervisord's ``stopasgroup`` do: a pool child dies mid-task), then a
+   new worker is started and waited for ("ready."), then the next;
 2. **kill9**: SIGKILL to one worker's whole process group, and a replacement started at once;
 3. **scale-out**: N more workers (2N);
 4. **scale-in**: N of them stopped warm at once (N again).
@@ -36,6 +37,10 @@ failed, with the reason its log gives.
 
     python -m bench.fleet [--quick] [--workers 4] [--rate 30] [--countdown 3] [--settle 10]
                           [--systems native classic consumer] [--raw-protocol]
+                          [--pool prefork|gevent|eventlet] [--stop main|group]
+
+``--pool``: every worker's pool (prefork ``-c 1`` by default; gevent or eventlet ``-c 50``), the same
+for every system.
 
 Writes bench/results/fleet-<time>.json, .md and .png (each task's lateness over its due time, a
 panel per system, the events marked) and keeps the processes' logs in fleet-<time>.logs/; a full
@@ -77,6 +82,9 @@ from tasks.processes import Processes, wait_for
 
 console = Console(width=None if Console().is_terminal else 160)
 PHASES = ("steady", "rolling", "kill9", "scale-out", "scale-in")
+#: The worker command of each ``--pool``.
+POOLS = {"prefork": ("-c", "1"), "gevent": ("--pool", "gevent", "-c", "50"),
+         "eventlet": ("--pool", "eventlet", "-c", "50")}
 ON_TIME_MS = 1000
 LATE_MS = 5000
 #: The kill -9 goal: every task outstanding then started within this long of its due time.
@@ -137,8 +145,10 @@ _PARTITIONS = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): INFO/MainP
 class Fleet:
     """The workers of one system (``celery worker -c 1`` of its queue, named f1, f2... in start order)."""
 
-    def __init__(self, procs: Processes, env: dict[str, str], timeout: float) -> None:
+    def __init__(self, procs: Processes, env: dict[str, str], timeout: float, pool: str = "prefork",
+                 stop: str = "main") -> None:
         self.procs, self.env, self.timeout = procs, env, timeout
+        self.args, self.group_stop = POOLS[pool], stop == "group"
         self.members: list[Member] = []
         self.poller: subprocess.Popen | None = None
 
@@ -150,7 +160,7 @@ class Fleet:
         new = []
         for _ in range(count):
             name = f"f{len(self.members) + 1}"
-            new.append(Member(name, self.procs.worker(name, "-c", "1", env=self.env), time.time()))
+            new.append(Member(name, self.procs.worker(name, *self.args, env=self.env), time.time()))
             self.members.append(new[-1])
         try:
             wait_for(lambda: all(self._settled(m) for m in new), self.timeout, "the new workers to be ready")
@@ -165,15 +175,26 @@ class Fleet:
         return member.ready is not None or member.proc.poll() is not None
 
     def stop(self, members: list[Member]) -> None:
-        """Warm-stop ``members`` at once (SIGTERM to each main process, as ``systemctl stop`` does)."""
+        """Warm-stop ``members`` at once: SIGTERM to each main process (``systemctl stop`` with
+        ``KillMode=mixed``, ``docker stop``), or with ``--stop group`` to each whole process group."""
         for member in members:
-            member.how = "warm stop"
+            member.how = "group SIGTERM" if self.group_stop else "warm stop"
         with ThreadPoolExecutor(len(members)) as pool:
-            statuses = list(pool.map(self.procs.warm_stop, [m.proc for m in members]))
+            statuses = list(pool.map(self._group_stop if self.group_stop else self.procs.warm_stop,
+                                     [m.proc for m in members]))
         for member, status in zip(members, statuses):
             member.ended = time.time()
             if status:
                 member.how += f" (exit status {status})"
+
+    def _group_stop(self, proc: subprocess.Popen, timeout: float = 60.0) -> int:
+        """SIGTERM to ``proc``'s whole process group; SIGKILL to it after ``timeout``.  Its exit status."""
+        os.killpg(proc.pid, signal.SIGTERM)  # each worker leads its own session (Processes.start)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
 
     def kill(self, member: Member) -> None:
         """SIGKILL to the worker's whole process group (its main process and pool)."""
@@ -321,7 +342,7 @@ def run_system(key: str, system: System, opts: argparse.Namespace, progress: Pro
     run = uuid.uuid4().hex[:8]
     (logdir / key).mkdir(parents=True, exist_ok=True)
     procs = Processes(logdir / key, overrides, app="bench.compare_app")
-    fleet = Fleet(procs, env, opts.start_timeout)
+    fleet = Fleet(procs, env, opts.start_timeout, opts.pool, opts.stop)
     sender = Sender(app.tasks["compare.noop"], run, opts.rate, opts.countdown)
     events: list[dict[str, Any]] = []
     failed: str | None = None
@@ -450,9 +471,9 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
             rows.append([r["system"], phase, f"{p['tasks']:,}", f"{_ms(p['p50'])} / {_ms(p['p99'])} / {_ms(p['max'])}",
                          share, f"{p['late_5s']:,}", f"{p['not_run']:,}",
                          "—" if p["ownerless_s"] is None else f"{p['ownerless_s']}"])
-    title = (f"bench.fleet: {opts.workers} workers (celery worker -c 1), {opts.rate:g} tasks/s with countdown "
-             f"{opts.countdown:g} s; rolling restart, kill -9, scale-out to {2 * opts.workers}, scale-in; "
-             f"{opts.settle:g} s apart")
+    title = (f"bench.fleet: {opts.workers} workers (celery worker {' '.join(POOLS[opts.pool])}), {opts.rate:g} tasks/s "
+             f"with countdown {opts.countdown:g} s; rolling restart ({'process-group' if opts.stop == 'group' else 'main'}"
+             f" SIGTERM), kill -9, scale-out to {2 * opts.workers}, scale-in; {opts.settle:g} s apart")
     lines = [f"### {title}", "", _markdown(head, rows)]
     table = Table(*head, title=title)
     for row in rows:
@@ -552,6 +573,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"{Settings.topic_partitions})")
     parser.add_argument("--raw-protocol", action="store_true",
                         help='consumer: also delayed_kafka_config = {"group.protocol": "consumer"}')
+    parser.add_argument("--pool", choices=sorted(POOLS), default="prefork",
+                        help="every worker's pool (default prefork -c 1; green: -c 50)")
+    parser.add_argument("--stop", choices=("main", "group"), default="main",
+                        help="how workers are stopped: SIGTERM to the main process (default) or to the group")
     parser.add_argument("--start-timeout", type=float, default=90.0, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.quick:

@@ -172,7 +172,8 @@ def profile(name: str, n: int, rate: int, duration: float, repeat: int, pool: st
             hog.wait()
     p99 = {path: statistics.median(r["lag_ms"]["p99"] for r in runs if r["path"] == path)
            for path in ("broker", "kafka")}
-    return {"profile": name, "pool": pool, "throughput": rates, "lag": runs[-2:], "lag_runs": runs, "lag_p99_median_ms": p99,
+    return {"profile": name, "pool": pool, "throughput": rates, "lag": runs[-2:], "lag_runs": runs,
+            "lag_p99_median_ms": p99,
             "throughput_ratio": rates[1]["per_s"] / rates[0]["per_s"],
             "apply_async_ratio": rates[1]["apply_async_ms"] / rates[0]["apply_async_ms"],
             "lag_p99_ratio": p99["kafka"] / max(p99["broker"], 1)}
@@ -181,7 +182,8 @@ def profile(name: str, n: int, rate: int, duration: float, repeat: int, pool: st
 def report(result: dict[str, Any], n: int, rate: int, duration: float) -> None:
     """Print one profile's tables: both paths side by side, then the Kafka path's hops."""
     table = Table("path", "tasks/s (1 worker)", "apply_async (ms/call)", "lag p50", "lag p99", "lag max",
-                  "lost", title=f"{result['profile']}, {result['pool']} worker: {n} tasks; lag at {rate}/s for {duration:.0f} s")
+                  "lost", title=f"{result['profile']}, {result['pool']} worker: {n} tasks; lag at {rate}/s for "
+                                f"{duration:.0f} s")
     for t, l in zip(result["throughput"], result["lag"]):
         s = l["lag_ms"]
         table.add_row(t["path"], f"{t['per_s']:.0f}", f"{t['apply_async_ms']:.2f}", f"{s['p50']:.0f} ms",

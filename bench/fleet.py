@@ -471,9 +471,10 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
             rows.append([r["system"], phase, f"{p['tasks']:,}", f"{_ms(p['p50'])} / {_ms(p['p99'])} / {_ms(p['max'])}",
                          share, f"{p['late_5s']:,}", f"{p['not_run']:,}",
                          "—" if p["ownerless_s"] is None else f"{p['ownerless_s']}"])
+    stop = "process-group" if opts.stop == "group" else "main"
     title = (f"bench.fleet: {opts.workers} workers (celery worker {' '.join(POOLS[opts.pool])}), {opts.rate:g} tasks/s "
-             f"with countdown {opts.countdown:g} s; rolling restart ({'process-group' if opts.stop == 'group' else 'main'}"
-             f" SIGTERM), kill -9, scale-out to {2 * opts.workers}, scale-in; {opts.settle:g} s apart")
+             f"with countdown {opts.countdown:g} s; rolling restart ({stop} SIGTERM), kill -9, scale-out to "
+             f"{2 * opts.workers}, scale-in; {opts.settle:g} s apart")
     lines = [f"### {title}", "", _markdown(head, rows)]
     table = Table(*head, title=title)
     for row in rows:

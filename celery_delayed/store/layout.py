@@ -80,12 +80,19 @@ def stored_message(due_ms: int, envelope: bytes) -> bytes:
 
 
 def parse_stored(stored: bytes) -> tuple[int, str, bytes]:
-    """``(bucket start, lane, envelope)`` of a stored message (the inverse of :func:`stored_message`)."""
+    """``(bucket start, lane, envelope)`` of a stored message (the inverse of :func:`stored_message`).
+
+    Never raises for what the store holds: a lane head that cannot be one (cut short, or not UTF-8:
+    an envelope starting with a NUL, stored behind no lane head) is read as part of the envelope,
+    which dispatch then dead-letters as undecodable, bytes and all."""
     start = _BUCKET.unpack_from(stored)[0]
-    if stored[4:5] != b"\0":
-        return start, "", stored[4:]
-    end = 6 + stored[5]
-    return start, stored[6:end].decode(), stored[end:]
+    end = 6 + stored[5] if stored[4:5] == b"\0" and len(stored) > 5 else None
+    if end is not None and end <= len(stored):
+        try:
+            return start, stored[6:end].decode(), stored[end:]
+        except UnicodeDecodeError:
+            pass
+    return start, "", stored[4:]
 
 
 def bucket_of(due_ms: int) -> int:

@@ -142,3 +142,11 @@ def test_bytes_that_are_no_envelope_are_stored_in_lane_nothing_and_given_back_wh
     from celery_delayed.store.layout import parse_stored, stored_message
 
     assert parse_stored(stored_message(10_000, b"garbage")) == (10, "", b"garbage")
+
+
+@pytest.mark.parametrize("data", [b"\0", b"\0\xff\xfe", b"\0\x09cut", b"\0\x02\xff"])
+def test_a_lane_head_that_cannot_be_one_is_read_as_part_of_the_envelope(data):
+    """As an envelope led by a NUL is stored behind no lane head: never an error."""
+    from celery_delayed.store.layout import parse_stored
+
+    assert parse_stored(b"\0\0\0\x0a" + data) == (10, "", data)

@@ -24,6 +24,8 @@ READS_FORMATS = (1, 2)
 _BUCKET = struct.Struct(">I")
 #: Longest lane name (bytes): a queue whose name is longer shares lane "".
 MAX_LANE = 255
+#: The lane head of lane "" in front of an envelope starting with a NUL (see :func:`stored_message`).
+_NO_LANE = b"\0\0"
 #: Due times the store holds: from 1970 until the bucket start no longer fits 4 bytes (2106).
 MAX_DUE_MS = 2**32 * 1000
 
@@ -75,17 +77,28 @@ def _lane_head(queue: str) -> bytes:
 
 
 def stored_message(due_ms: int, envelope: bytes) -> bytes:
-    """What the store keeps of a task: its bucket's start, its lane (:func:`_lane_head`) and its envelope."""
-    return _BUCKET.pack(bucket_of(due_ms)) + _lane_head(lane_of(envelope)) + envelope
+    """What the store keeps of a task: its bucket's start, its lane (:func:`_lane_head`) and its envelope.
+
+    An envelope starting with a NUL (none this package writes does, but the store takes any bytes)
+    gets an empty lane head in lane "": its NUL would otherwise be read as one, the envelope cut."""
+    head = _lane_head(lane_of(envelope)) or (_NO_LANE if envelope[:1] == b"\0" else b"")
+    return _BUCKET.pack(bucket_of(due_ms)) + head + envelope
 
 
 def parse_stored(stored: bytes) -> tuple[int, str, bytes]:
-    """``(bucket start, lane, envelope)`` of a stored message (the inverse of :func:`stored_message`)."""
+    """``(bucket start, lane, envelope)`` of a stored message (the inverse of :func:`stored_message`).
+
+    Never raises for what the store holds: a lane head that cannot be one (cut short, or not UTF-8:
+    an envelope starting with a NUL, stored by a version that did not yet give it an empty head) is
+    read as part of the envelope, which dispatch then dead-letters as undecodable, bytes and all."""
     start = _BUCKET.unpack_from(stored)[0]
-    if stored[4:5] != b"\0":
-        return start, "", stored[4:]
-    end = 6 + stored[5]
-    return start, stored[6:end].decode(), stored[end:]
+    end = 6 + stored[5] if stored[4:5] == b"\0" and len(stored) > 5 else None
+    if end is not None and end <= len(stored):
+        try:
+            return start, stored[6:end].decode(), stored[end:]
+        except UnicodeDecodeError:
+            pass
+    return start, "", stored[4:]
 
 
 def bucket_of(due_ms: int) -> int:

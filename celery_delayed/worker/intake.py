@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import reprlib
 import time
 import traceback
 from dataclasses import dataclass
@@ -143,7 +144,9 @@ class Intake:
                 self._settle_once_parked(task_id, partition, offset)
 
         try:
-            arrival.strategy(self._message(arrival), None, on_ack, on_reject, self.c.on_task_message)
+            message = self._message(arrival)
+            _check_body(message.payload)  # decoded once: kombu keeps it for Celery's strategy
+            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:
@@ -362,6 +365,20 @@ def hold_until(due_ms: int | None, claimed_ms: int | None, now_ms: int) -> int |
         return None
     wait = due_ms - now_ms if claimed_ms is None else min(due_ms - now_ms, due_ms - claimed_ms)
     return now_ms + wait if wait > 1 else None
+
+
+def _check_body(payload: Any) -> None:
+    """Raise ValueError unless a task message's decoded body is one Celery can run: protocol 2's
+    ``[args, kwargs, embed]`` (a list and two objects), or a dict with ``args`` (protocol 1's, which
+    Celery converts).  Celery only counts the three parts before its pool runs the task: other args
+    fail it there, other kwargs or embed break Celery's own callbacks (the task stays PENDING), and
+    either way the record is acknowledged and nothing parked."""
+    if isinstance(payload, dict) and "args" in payload:
+        return
+    if not (isinstance(payload, (list, tuple)) and len(payload) == 3 and isinstance(payload[0], (list, tuple))
+            and isinstance(payload[1], dict) and isinstance(payload[2], dict)):
+        raise ValueError(f"task body is not [args (a list), kwargs (an object), embed (an object)]: "
+                         f"{reprlib.repr(payload)}")
 
 
 def _record_headers(record: Any) -> dict[str, int]:

@@ -157,12 +157,14 @@ def envelopes(n: int, queue: str, due_ms: int, prefix: str = "task", task: str =
 
 
 class TopicReader:
-    """Reads a topic from its start with a private consumer group, counting records per key."""
+    """Reads a topic from its start with a private consumer group, counting records per key (and
+    keeping each key's values, with ``values``)."""
 
-    def __init__(self, settings: Settings, topic: str) -> None:
+    def __init__(self, settings: Settings, topic: str, values: bool = False) -> None:
         ensure_topics(settings, [topic[len(settings.topic_prefix):]])
         self.topic = topic
         self.keys: Counter[str] = Counter()
+        self.values: dict[str, list[bytes]] | None = {} if values else None
         self.consumer = Consumer(settings.kafka(**{"group.id": f"reader-{uuid.uuid4().hex}",
                                                    "auto.offset.reset": "earliest",
                                                    "enable.auto.commit": False}))
@@ -174,6 +176,8 @@ class TopicReader:
         for record in records:
             if not record.error():
                 self.keys[record.key().decode()] += 1
+                if self.values is not None:
+                    self.values.setdefault(record.key().decode(), []).append(record.value())
         return len(records)
 
     def read_until(self, unique: int, timeout: float) -> Counter:

@@ -16,8 +16,8 @@ from celery.result import AsyncResult
 from confluent_kafka.admin import AdminClient
 
 from celery_delayed import store_of
-from celery_delayed.envelope import Envelope
-from celery_delayed.kafka import DUE_HEADER
+from celery_delayed.envelope import Envelope, deflate
+from celery_delayed.kafka import DUE_HEADER, ensure_topics
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
@@ -242,6 +242,48 @@ def test_a_message_celery_cannot_build_a_request_from_is_dead_lettered_not_retri
     assert due_in(app, "tasks.demo.add", (20, 22)).get(timeout=60) == 42
     letter = wait_for(lambda: DeadLetters(store_of(app)).get(bad.id), 20, "the bad message in the dead-letter queue")
     assert "invalid task message" in letter.reason
+
+
+def test_records_no_poller_wrote_are_dead_lettered_bytes_and_all_and_the_partition_keeps_flowing(
+        overrides, processes):
+    """A foreign producer's records on a ready topic, none with the poller's headers: garbage, nothing
+    at all (no key either), truncated envelopes, JSON that is no task message, and task messages whose
+    body is not ``[args, kwargs, embed]`` (Celery ran those, failing in its pool or its callbacks,
+    acknowledged them and left them out of the dead-letter queue, two of them PENDING for ever).  Each
+    is parked with its bytes and a reason, and the good record behind them all on the partition runs."""
+    overrides.update(delayed_topic_partitions=1, result_expires=300)
+    app = create_app(**overrides)
+    producer, topic = kafka_queue(app)
+    tag = overrides["delayed_key_prefix"]
+    good, stored = taken_out(app, "tasks.demo.add", (1, 2))
+    compact = Envelope.decode(stored).encode()
+
+    def with_body(task_id: str, body: bytes) -> bytes:
+        envelope = Envelope.decode(stored)
+        envelope.task_id = envelope.headers["id"] = task_id
+        envelope.body = body
+        return envelope.encode()
+
+    bad = {f"{topic}:0": None,  # first on the fresh topic, keyless: parked under its offset
+           f"{tag}-garbage": b"\0\xff\xfe", f"{tag}-empty": b"", f"{tag}-cut": compact[:40],
+           f"{tag}-cut-deflated": deflate(compact, 0)[:-3], f"{tag}-cut-body": with_body(f"{tag}-cut-body", b"[[1, "),
+           f"{tag}-foreign-json": b'{"event": "signup", "user": 42}', f"{tag}-no-headers": b'{"id": "x", "q": "y"}\n[]',
+           f"{tag}-args": with_body(f"{tag}-args", b"[5, {}, {}]"),
+           f"{tag}-kwargs": with_body(f"{tag}-kwargs", b"[[1, 2], [], {}]"),
+           f"{tag}-embed": with_body(f"{tag}-embed", b"[[1, 2], {}, 7]")}
+    ensure_topics(app.amqp.delayed_settings, [app.conf.task_default_queue])  # or the producer waits for it
+    for key, value in bad.items():
+        producer.produce(topic, key=None if key.startswith(topic) else key, value=value)
+    producer.produce(topic, key=good.id, value=stored)
+    assert producer.flush(10) == 0
+    worker = processes.worker("w1")
+    assert good.get(timeout=60) == 3
+    letters = DeadLetters(store_of(app))
+    for key, value in bad.items():
+        letter = wait_for(lambda: letters.get(key), 20, f"{key} in the dead-letter queue")
+        assert letter.source == "worker" and letter.reason and letter.message == (value or b""), (key, letter)
+    assert "task body is not [args" in letters.get(f"{tag}-kwargs").reason
+    assert worker.poll() is None, "the worker died:\n" + processes.log(worker)[-3000:]
 
 
 def test_a_record_whose_due_header_no_time_can_hold_runs_and_the_ones_behind_it_too(overrides, processes):

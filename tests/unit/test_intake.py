@@ -6,12 +6,13 @@ import threading
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
 from celery_delayed.store.layout import MAX_DUE_MS
 from celery_delayed.worker.consumer import UNEXPECTED_TRIES, KafkaFeed
-from celery_delayed.worker.intake import Arrival, _record_headers, hold_until
+from celery_delayed.worker.intake import Arrival, _check_body, _record_headers, hold_until
 
 REDIS_NOW = 1_800_000_000_000
 
@@ -72,6 +73,16 @@ def _feed(intake: _Intake, records: list[str]) -> tuple[KafkaFeed, list]:
     feed._reading.set()
     return feed, later
 
+
+@pytest.mark.parametrize("payload", [[[1], {}, {}], ((1,), {"x": 1}, {"chain": None}), {"args": [1], "kwargs": {}}])
+def test_a_body_celery_can_run_passes(payload):
+    _check_body(payload)
+
+
+@pytest.mark.parametrize("payload", [[5, {}, {}], [[1], [], {}], [[1], {}, 7], [[1], {}], {"a": 1}, 7, None, "abc"])
+def test_a_body_celery_would_only_fail_on_later_is_refused_naming_its_shape(payload):
+    with pytest.raises(ValueError, match=r"task body is not \[args \(a list\), kwargs \(an object\)"):
+        _check_body(payload)
 
 def test_a_record_failing_by_an_unknown_error_is_dead_lettered_and_the_ones_behind_it_go_on():
     intake = _Intake({"odd": [RuntimeError("a bug")] * (UNEXPECTED_TRIES + 3)})

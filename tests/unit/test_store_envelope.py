@@ -142,3 +142,18 @@ def test_bytes_that_are_no_envelope_are_stored_in_lane_nothing_and_given_back_wh
     from celery_delayed.store.layout import parse_stored, stored_message
 
     assert parse_stored(stored_message(10_000, b"garbage")) == (10, "", b"garbage")
+
+
+@pytest.mark.parametrize("data", [b"", b"\0", b"\0\0", b"\0\xff\xfe", b"\0\x01a{}", b"\0\x03abc\x01{}\n"])
+def test_bytes_led_by_a_nul_are_given_back_whole_not_read_as_a_lane_head(data):
+    from celery_delayed.store.layout import parse_stored, stored_message
+
+    assert parse_stored(stored_message(10_000, data)) == (10, "", data)
+
+
+@pytest.mark.parametrize("data", [b"\0", b"\0\xff\xfe", b"\0\x09cut", b"\0\x02\xff"])
+def test_a_lane_head_that_cannot_be_one_is_read_as_part_of_the_envelope(data):
+    """As versions before the empty lane head stored an envelope led by a NUL: never an error."""
+    from celery_delayed.store.layout import parse_stored
+
+    assert parse_stored(b"\0\0\0\x0a" + data) == (10, "", data)

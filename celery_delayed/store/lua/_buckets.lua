@@ -9,8 +9,9 @@
 -- prefix, and is not in the lanes ZSET: scripts read its index head directly.
 --
 -- A stored message is its bucket's start (4 bytes, big-endian); then, in a named lane,
--- a NUL, the lane's length (1 byte) and the lane; then the task's envelope (which never
--- starts with a NUL).
+-- a NUL, the lane's length (1 byte) and the lane; then the task's envelope. In lane ""
+-- an envelope starting with a NUL comes after an empty lane head (NUL, length 0), so
+-- that its NUL is not read as a lane head.
 
 -- The bucket start a stored message records.
 local function bucket_of(message)

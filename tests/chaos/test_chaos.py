@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.support import ROOT
 
-pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.serial]  # restarts the servers
 
 #: The quick profile's own deadline is 270 s; past this the run is told to stop (and stops what it started).
 RUN_TIMEOUT_S = 285

@@ -103,6 +103,13 @@ def _head_and_tail(text: str, each: int = 4000) -> str:
     return f"{text[:each]}\n[... {len(text) - 2 * each} characters left out ...]\n{text[-each:]}"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that stops or restarts a server (the ``servers`` fixture) runs alone: ``serial``."""
+    for item in items:
+        if "servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

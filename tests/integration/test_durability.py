@@ -33,6 +33,7 @@ def maxmemory_policy(url: str, policy: str) -> Iterator[None]:
         admin.config_set("maxmemory-policy", before)
 
 
+@pytest.mark.serial  # the shared Redis evicts meanwhile: every poller and worker started then would refuse it
 def test_poller_and_worker_refuse_a_redis_that_evicts(overrides, processes):
     settings = Settings.from_conf(overrides)
     with maxmemory_policy(settings.redis_url, "allkeys-lru"):

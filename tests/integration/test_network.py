@@ -18,7 +18,8 @@ from tests.chaos.network import Hosts, available
 
 from .support import wait_for
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}")
+pytestmark = [pytest.mark.skipif(available() is not None, reason=f"no network namespaces here: {available()}"),
+              pytest.mark.serial]  # its first test finds no namespace or rule left by any other
 
 #: In a host: PING the Redis on 127.0.0.1, no retries, a 1 s timeout; prints PONG or the error's name.
 PING = """

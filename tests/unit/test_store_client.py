@@ -94,7 +94,7 @@ def test_stored_ids_are_16_bytes_only_for_canonical_uuids_and_always_round_trip(
     assert member_of(IDS[0]) == uuid.UUID(IDS[0]).bytes
 
 
-@pytest.mark.parametrize("task_id", [str(uuid.uuid4()), "}x{", "{a}b", "}", "plain"])
+@pytest.mark.parametrize("task_id", ["760d8386-0bf1-44ec-b7b1-88e13ad30a90", "}x{", "{a}b", "}", "plain"])
 def test_a_task_ids_run_claim_and_records_share_one_cluster_slot(task_id):
     slots = {key_slot(Keys("cd").task(kind, task_id).encode()) for kind in ("run", "revoked", "done")}
     assert len(slots) == 1

@@ -121,13 +121,14 @@ def test_a_retry_while_the_stores_redis_restarts_is_stored_once_it_is_back(overr
 
 
 def test_one_long_task_does_not_stop_the_intake_of_the_short_ones_behind_it(overrides, processes):
-    """-c 2, prefetch 1: a 40 s task, then 12 short ones due a second later on the same Kafka
-    partition.  The short ones settled behind the long one must not count against the limit."""
+    """-c 2, prefetch 1: a 40 s task, then 12 short ones due 4 s later on the same Kafka partition
+    (a poller late by more than that gap on a loaded machine would produce them first).  The short ones
+    settled behind the long one must not count against the limit."""
     overrides.update(delayed_topic_partitions=1)
     app = create_app(**overrides)
     run = uuid.uuid4().hex
     long = app.tasks["tasks.demo.work"].apply_async((run, 40.0), countdown=2)
-    short = [app.tasks["tasks.demo.work"].apply_async((run, 0.0), countdown=3) for _ in range(12)]
+    short = [app.tasks["tasks.demo.work"].apply_async((run, 0.0), countdown=6) for _ in range(12)]
     processes.poller()
     processes.worker("w1", "-c", "2", "--prefetch-multiplier", "1")
     wait_for(lambda: long.id in runs(app, run), 60, "the long task to start")

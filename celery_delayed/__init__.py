@@ -19,8 +19,8 @@ from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters
-from celery_delayed.store.outcomes import (LayoutMismatch, StoreNotDurable, StoreUnavailable, TaskInFlight,
-    TaskNotScheduled)
+from celery_delayed.store.outcomes import (LayoutMismatch, StoreNotDurable, StoreRefused, StoreUnavailable,
+    TaskInFlight, TaskNotScheduled)
 from celery_delayed.store.revoke import DelayedControl
 from celery_delayed.worker.consumer import KafkaConsumerStep
 from celery_delayed.worker.failures import park_failures
@@ -29,7 +29,7 @@ from celery_delayed.worker.once import remember_finished
 __version__ = "0.1.0"
 
 __all__ = ["install", "store_of", "apply_many", "ApplyManyError", "Settings", "ConfigurationError", "DelayedStore",
-           "StoreUnavailable", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight",
+           "StoreUnavailable", "StoreRefused", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight",
            "DelayedControl", "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError",
            "__version__"]
 

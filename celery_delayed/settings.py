@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
 PREFIX = "delayed_"
@@ -78,6 +78,29 @@ def _joined(value: Any) -> str:
 _PARSERS = {"int": _int, "bool": _bool, "float": _float, "Mapping[str, Any]": _mapping, "str | None": _optional_str,
             "str": _str}
 
+
+class Range(NamedTuple):
+    """The values a numeric setting may take: a finite number from ``low`` (excluded when ``above``)
+    to ``high``, past which it can only be a mistake (and some would overflow where they are used,
+    as milliseconds in Redis or a timer)."""
+
+    low: float
+    high: float
+    above: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        return (type(value) in (int, float) and (value > self.low if self.above else value >= self.low)
+                and value <= self.high)  # NaN compares false: refused too
+
+    def __str__(self) -> str:
+        low, high = (int(x) if float(x).is_integer() else x for x in (self.low, self.high))
+        return f"> {low} and <= {high}" if self.above else f"between {low} and {high}"
+
+
+#: Ten years, in seconds: the longest duration a setting may have.
+DECADE_S = 10 * 366 * 86_400
+#: Most tasks a second a rate may allow.
+MAX_RATE = 1e9
 
 #: Values of ``delayed_group_protocol``.
 GROUP_PROTOCOLS = ("auto", "consumer", "classic")
@@ -215,25 +238,10 @@ class Settings:
         return settings
 
     def _validate(self) -> None:
-        _require(self.partitions >= 1, "partitions", "must be >= 1")
-        _require(self.partitions <= 16384, "partitions", "must be <= 16384")
-        _require(self.topic_partitions >= 1, "topic_partitions", "must be >= 1")
-        _require(self.topic_replication >= 1, "topic_replication", "must be >= 1")
-        _require(self.min_delay >= 0, "min_delay", "must be >= 0")
-        _require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
-        _require(self.compress_min_bytes >= 0, "compress_min_bytes", "must be >= 0")
-        _require(self.lease_ttl >= 2, "lease_ttl", "must be >= 2 (etcd's smallest lease)")
-        _require(self.visibility_timeout >= 1, "visibility_timeout", "must be >= 1 second")
-        _require(1 <= self.claim_batch <= 5000, "claim_batch", "must be between 1 and 5000")
-        _require(self.max_sleep > 0, "max_sleep", "must be > 0")
-        _require(0 <= self.dispatch_lead <= 5, "dispatch_lead", "must be between 0 and 5 seconds")
-        _require(self.max_dispatch_rate >= 0, "max_dispatch_rate", "must be >= 0 (0 = no limit)")
         for queue, rate in self.queue_rates.items():
             _require(isinstance(queue, str) and 0 < len(queue.encode()) <= 255, "queue_rates",
                      f"keys must be queue names of 1 to 255 bytes, got {queue!r}")
-            _require(type(rate) in (int, float) and rate > 0, "queue_rates",
-                     f"values must be tasks per second > 0, got {rate!r} for {queue!r}")
-        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a port number (0 = none)")
+            _require(rate in RATE, "queue_rates", f"values must be tasks per second {RATE}, got {rate!r} for {queue!r}")
         _require(bool(self.key_prefix) and ":" not in self.key_prefix and "{" not in self.key_prefix,
                  "key_prefix", "must be non-empty, without ':' or '{'")
         _require(bool(_TOPIC_CHARS.match(self.topic_prefix)), "topic_prefix",
@@ -241,11 +249,6 @@ class Settings:
         _require(bool(self.consumer_group), "consumer_group", "must be non-empty")
         _require(self.group_protocol in GROUP_PROTOCOLS, "group_protocol",
                  f"must be one of {', '.join(GROUP_PROTOCOLS)}, got {self.group_protocol!r}")
-        _require(self.run_lease >= 3, "run_lease", "must be >= 3 seconds")
-        _require(self.dlq_max_age >= 0, "dlq_max_age", "must be >= 0 seconds (0 = keep for ever)")
-        _require(self.dlq_max_entries >= 0, "dlq_max_entries", "must be >= 0 (0 = no limit)")
-        _require(self.revoke_days > 0, "revoke_days", "must be > 0")
-        _require(self.done_ttl >= 0, "done_ttl", "must be >= 0 seconds (0 = off)")
         scheme = urlsplit(self.redis_url).scheme
         _require(scheme in ("redis", "rediss", "unix"), "redis_url",
                  f"must be a redis://, rediss:// or unix:// URL, got {redact_url(self.redis_url)!r}")
@@ -266,8 +269,8 @@ class Settings:
             kafka_limit = self.kafka_message_max_bytes
         except (TypeError, ValueError):
             kafka_limit = 0
-        _require(kafka_limit >= 1000, "kafka_config", "message.max.bytes must be an integer >= 1000 "
-                 f"(librdkafka's smallest), got {self.kafka_config.get('message.max.bytes')!r}")
+        _require(1000 <= kafka_limit <= 1_000_000_000, "kafka_config", "message.max.bytes must be an integer between "
+                 f"1000 and 1000000000 (librdkafka's range), got {self.kafka_config.get('message.max.bytes')!r}")
 
     @property
     def wait_policy(self) -> "WaitPolicy | None":
@@ -281,8 +284,9 @@ class Settings:
                                 timeout_ms=round(float(options.get("timeout", "1")) * 1000))
         except (ValueError, OverflowError):
             wanted = False
-        _require(wanted and policy.replicas >= 0 and policy.timeout_ms > 0, "schedule_wait",
-                 f"must be replicas=N, aof or both, with an optional timeout=SECONDS, got {self.schedule_wait!r}")
+        _require(wanted and 0 <= policy.replicas <= 100 and 0 < policy.timeout_ms <= 3_600_000, "schedule_wait",
+                 f"must be replicas=N, aof or both, with an optional timeout=SECONDS (at most an hour), got "
+                 f"{self.schedule_wait!r}")
         return policy
 
     @property
@@ -320,6 +324,31 @@ class Settings:
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
+#: Each numeric setting's :class:`Range` (a unit test holds every int and float setting to having one).
+RANGES = {
+    "partitions": Range(1, 16384),
+    "topic_partitions": Range(1, 10_000),
+    "topic_replication": Range(1, 100),
+    "min_delay": Range(0, DECADE_S),
+    "max_message_bytes": Range(1024, 512 * 1024 * 1024),  # Redis' largest string
+    "compress_min_bytes": Range(0, 2 ** 31),
+    "lease_ttl": Range(2, 86_400),  # etcd's smallest lease; a day-long failover is no failover
+    "visibility_timeout": Range(1, DECADE_S),
+    "claim_batch": Range(1, 5000),
+    "max_sleep": Range(0, 3600, above=True),
+    "dispatch_lead": Range(0, 5),
+    "max_dispatch_rate": Range(0, MAX_RATE),  # 0 = no limit
+    "metrics_port": Range(0, 65535),  # 0 = none
+    "dlq_max_age": Range(0, DECADE_S),  # 0 = for ever
+    "dlq_max_entries": Range(0, 10 ** 9),  # 0 = no limit
+    "run_lease": Range(3, DECADE_S),
+    "revoke_days": Range(0, DECADE_S / 86_400, above=True),
+    "done_ttl": Range(0, DECADE_S),  # 0 = off
+}
+#: A rate of ``delayed_queue_rates``.
+RATE = Range(0, MAX_RATE, above=True)
+
+
 @dataclass(frozen=True)
 class WaitPolicy:
     """What a schedule write waits for (``delayed_schedule_wait``)."""
@@ -352,10 +381,13 @@ def _require(ok: bool, name: str, message: str) -> None:
 
 
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
-    """Coerce a raw setting to the field's type; ConfigurationError naming the setting when it cannot."""
+    """Coerce a raw setting to the field's type, within its :data:`RANGES`; ConfigurationError naming
+    the setting and the value as given when it cannot."""
     parse = f.metadata.get("parse") or _PARSERS[f.type]
     try:
-        return parse(value)
+        parsed = parse(value)
     except (TypeError, ValueError):
         shown = f"a {type(value).__name__} (not shown: it may hold a secret)" if name in _SECRET_FIELDS else repr(value)
         raise ConfigurationError(f"{PREFIX}{name} must be {f.type}, got {shown}") from None
+    _require(name not in RANGES or parsed in RANGES[name], name, f"must be {RANGES.get(name)}, got {value!r}")
+    return parsed

@@ -7,7 +7,7 @@ import inspect
 import re
 from pathlib import Path
 
-from celery_delayed.settings import PREFIX, Settings
+from celery_delayed.settings import PREFIX, RANGES, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Folders of the repository whose files the pages link to (plots and tables), served at the same paths.
@@ -17,8 +17,8 @@ _FIELD = re.compile(r"^    (\w+): ")
 
 
 def settings_reference() -> str:
-    """A Markdown table of every setting: its Celery name, type, default and the ``#:`` comment above it in
-    :class:`Settings` (a setting without one is a KeyError: every setting is documented)."""
+    """A Markdown table of every setting: its Celery name, type (and range), default and the ``#:`` comment
+    above it in :class:`Settings` (a setting without one is a KeyError: every setting is documented)."""
     docs, comment = {}, []
     for line in inspect.getsource(Settings).splitlines():
         if line.strip().startswith("#:"):
@@ -34,7 +34,8 @@ def settings_reference() -> str:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         what = docs[field.name].replace("``", "`").replace("|", "\\|")
         kind = str(field.type).replace("|", "\\|")
-        rows.append(f"| `{PREFIX}{field.name}` | `{kind}` | `{default!r}` | {what} |")
+        bounds = f" {RANGES[field.name]}" if field.name in RANGES else ""
+        rows.append(f"| `{PREFIX}{field.name}` | `{kind}`{bounds} | `{default!r}` | {what} |")
     return "\n".join(rows) + "\n"
 
 

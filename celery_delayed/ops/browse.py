@@ -227,13 +227,11 @@ def parse_when(text: str | None, now_ms: int) -> int | None:
     text = (text or "").strip()
     if not text:
         return None
-    if text.isdigit():
-        return int(text)
     if text.startswith("now"):
         offset = text[3:].replace(" ", "")
         return now_ms + (parse_seconds(offset) * 1000 if offset else 0)
-    try:
-        return due_ms_of(datetime.fromisoformat(text.replace("Z", "+00:00")))
+    try:  # int() refuses more than 4300 digits
+        return int(text) if text.isdigit() else due_ms_of(datetime.fromisoformat(text.replace("Z", "+00:00")))
     except ValueError:
         raise ValueError(f"not a time: {text!r} (give ISO 8601 such as 2026-12-24T18:00, ms since the epoch, "
                          "or now+10m)") from None

@@ -32,7 +32,7 @@ from celery_delayed.kafka import fleet, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
 from celery_delayed.poller.loop import Poller
-from celery_delayed.settings import ConfigurationError, Settings
+from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetterError, DeadLetters
 from celery_delayed.store.inspection import MAX_PAGE, totals
@@ -44,7 +44,24 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-@click.group(name="delayed")
+class _OneLineErrors(click.Group):
+    """A group whose sub-commands' foreseen failures are one line (click's ``Error: ...``) and exit
+    code 1, not a traceback: in one place, for every command here and in sub-groups."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        # the store down or refusing (full, read-only, an ACL), laid out otherwise; a bad setting or
+        # argument (ValueError: ConfigurationError, DeadLetterError...); a task the store cannot change
+        except (StoreUnavailable, ValueError, TaskNotScheduled, TaskInFlight) as exc:
+            raise click.ClickException(str(exc)) from None
+        except KafkaException as exc:
+            raise click.ClickException(f"Kafka: {exc}") from None
+        except OperationalError as exc:  # kombu's, for the broker (a revoke of a task in flight)
+            raise click.ClickException(f"Celery's broker: {exc}") from None
+
+
+@click.group(name="delayed", cls=_OneLineErrors)
 @click.pass_context
 @handle_preload_options
 def delayed(ctx: click.Context) -> None:
@@ -52,15 +69,11 @@ def delayed(ctx: click.Context) -> None:
 
 
 def _load(ctx: click.Context, check: bool = True) -> tuple[Settings, DelayedStore]:
-    """The app's validated settings and its store, whose layout is checked unless ``check`` is off;
-    a bad setting or layout is a one-line error, not a traceback."""
-    try:
-        store = store_of(ctx.obj.app)
-        if check:
-            store.check_layout()
-        return store.settings, store
-    except (ConfigurationError, StoreUnavailable) as exc:  # a cluster client connects here
-        raise click.ClickException(str(exc)) from None
+    """The app's validated settings and its store, whose layout is checked unless ``check`` is off."""
+    store = store_of(ctx.obj.app)
+    if check:
+        store.check_layout()
+    return store.settings, store
 
 
 @delayed.command(cls=CeleryCommand)
@@ -74,7 +87,8 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     settings, store = _load(ctx, check=False)  # the poller checks the store itself, waiting for it while down
     port = settings.metrics_port if metrics_port is None else metrics_port
     if port:
-        prometheus_client.start_http_server(port, addr="127.0.0.1")
+        with _listening("127.0.0.1", port):
+            prometheus_client.start_http_server(port, addr="127.0.0.1")
     the_poller = Poller(settings, store=store, backend=ctx.obj.app.backend)
 
     def on_signal(signum: int, frame: object) -> None:
@@ -85,10 +99,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     gc.collect()
     gc.freeze()  # what start-up loaded (Celery, the app) is never scanned by the GC again
-    try:
-        the_poller.run()
-    except ConfigurationError as exc:  # the store's layout or memory policy: raised before anything runs
-        raise click.ClickException(str(exc)) from None
+    the_poller.run()  # a bad layout or memory policy raises ConfigurationError before anything runs
 
 
 @delayed.command(cls=CeleryCommand)
@@ -100,8 +111,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time."""
     store = _load(ctx)[1]
-    with _store_errors():
-        counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
+    counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
     names = _task_names(ctx) if by_task else None
     if as_json:
         click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
@@ -123,7 +133,7 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
 
 def _task_names(ctx: click.Context, elsewhere: tuple[str, ...] = ()) -> list[dict]:
     """:func:`.browse.by_task` of the app, with progress."""
-    with _progress("reading the schedule") as progress, _store_errors():
+    with _progress("reading the schedule") as progress:
         return browse.by_task(ctx.obj.app, elsewhere, progress)
 
 
@@ -147,13 +157,10 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
     settings = _load(ctx, check=False)[0]
     if (queue is None) != (partitions is None):
         raise click.UsageError("--grow QUEUE and --partitions N go together")
-    try:
-        if queue is not None:
-            grow_topic(settings, queue, partitions)
-            err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
-        state = fleet(settings)
-    except (KafkaException, ValueError) as exc:
-        raise click.ClickException(f"Kafka: {exc}") from None
+    if queue is not None:
+        grow_topic(settings, queue, partitions)
+        err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
+    state = fleet(settings)
     if as_json:
         click.echo(json.dumps({"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}))
         return
@@ -174,8 +181,7 @@ def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> st
         raise click.UsageError("give a TASK_ID or --key KEY")
     if key is None:
         return task_id
-    with _store_errors():
-        holder = store.key_holder(key)
+    holder = store.key_holder(key)
     if holder is None:
         raise click.ClickException(f"no task is scheduled under key {key!r}")
     return holder
@@ -190,8 +196,7 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
     """One task in the store: due time, task, queue, partition, state and its message's headers."""
     store = _load(ctx)[1]
     task_id = _task_id_of(store, task_id, key)
-    with _store_errors():
-        info, now_ms = store.get(task_id), store.now_ms()
+    info, now_ms = store.get(task_id), store.now_ms()
     if info is None:
         raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, already "
                                    "dispatched, or cancelled)")
@@ -221,11 +226,10 @@ def _filter_options(command: Callable) -> Callable:
 
 def _bulk_filter(store: DelayedStore, fields: dict) -> Filter | None:
     """The filter of the bulk options given, None when none was given."""
-    with _store_errors():
-        now_ms = store.now_ms()
-        flt = Filter(task=fields["task"], queue=fields["queue"], id_prefix=fields["id_prefix"],
-                     due_after=parse_when(fields["due_after"], now_ms),
-                     due_before=parse_when(fields["due_before"], now_ms))
+    now_ms = store.now_ms()
+    flt = Filter(task=fields["task"], queue=fields["queue"], id_prefix=fields["id_prefix"],
+                 due_after=parse_when(fields["due_after"], now_ms),
+                 due_before=parse_when(fields["due_before"], now_ms))
     return None if flt.is_empty() else flt
 
 
@@ -233,7 +237,7 @@ def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
           act: Callable[[browse.Progress], dict]) -> dict | None:
     """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count.
     Returns what ``act`` counted (None when it did not act)."""
-    with _progress("counting") as progress, _store_errors():
+    with _progress("counting") as progress:
         matched = browse.count(store, flt, progress)
     what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
     if dry_run or not matched:
@@ -243,7 +247,7 @@ def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
     if not yes:
         click.confirm(f"This will {verb} {matched} scheduled tasks" + (f" ({what})" if what else "") + ". Go on?",
                       abort=True)
-    with _progress(verb) as progress, _store_errors():
+    with _progress(verb) as progress:
         counted = act(progress)
     click.echo(", ".join(f"{k} {v}" for k, v in counted.items()))
     return counted
@@ -279,10 +283,9 @@ def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bo
             raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
         return _bulk(store, flt, "cancel", dry_run, yes, lambda progress: browse.cancel(app, flt, progress))
     task_id = _task_id_of(store, task_id, key)
-    with _store_errors():
-        if key is not None:
-            store.release_key(key, task_id)
-        outcome = cancel_or_revoke(app, [task_id])[task_id]
+    if key is not None:
+        store.release_key(key, task_id)
+    outcome = cancel_or_revoke(app, [task_id])[task_id]
     if outcome is Change.UNKNOWN:
         raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
                                    "or cancelled)")
@@ -307,8 +310,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     if (eta is None) == (shift is None):
         raise click.UsageError("give --eta or --shift")
     store = _load(ctx)[1]
-    with _store_errors():
-        to_ms, shift_ms = parse_move(eta, shift, store.now_ms())
+    to_ms, shift_ms = parse_move(eta, shift, store.now_ms())
     flt = _bulk_filter(store, fields)
     if flt is not None:
         if task_id or key:
@@ -316,8 +318,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
         return _bulk(store, flt, "reschedule", dry_run, yes, lambda progress: browse.reschedule(
             store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
     task_id = _task_id_of(store, task_id, key)
-    with _store_errors():
-        due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
+    due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(f"{task_id} now due {iso_of(due_ms)}")
 
 
@@ -383,8 +384,7 @@ def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: boo
                                        "Kafka as well as the broker)")
     broker = app.connection_for_write().as_uri()  # its password masked
     with nullcontext() if dry_run else _broker_connection(app, broker) as connection:
-        with _store_errors():
-            returned, claimed = drain.return_lapsed_claims(store) if not dry_run else (0, 0)
+        returned, claimed = drain.return_lapsed_claims(store) if not dry_run else (0, 0)
         if returned:
             click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
         try:
@@ -419,8 +419,7 @@ def _broker_connection(app: Celery, broker: str) -> Connection:
 def upcoming(ctx: click.Context, limit: int, after: str | None, as_json: bool) -> None:
     """The next scheduled tasks across all partitions, soonest first."""
     store = _load(ctx)[1]
-    with _store_errors():
-        page, now_ms = store.upcoming(limit, after), store.now_ms()
+    page, now_ms = store.upcoming(limit, after), store.now_ms()
     if as_json:
         click.echo(json.dumps({"items": page.items, "cursor": page.cursor}))
         return
@@ -438,9 +437,8 @@ def pause(ctx: click.Context, queues: tuple[str, ...]) -> None:
     """Hold QUEUES' tasks in the store, due or not, until resumed: every poller stops dispatching them
     within a second, and after restarts and failovers."""
     store = _load(ctx)[1]
-    with _store_errors():
-        for queue in queues:
-            click.echo(f"{queue}: {'paused' if store.pause(queue) else 'already paused'}")
+    for queue in queues:
+        click.echo(f"{queue}: {'paused' if store.pause(queue) else 'already paused'}")
 
 
 @delayed.command(cls=CeleryCommand)
@@ -449,9 +447,8 @@ def pause(ctx: click.Context, queues: tuple[str, ...]) -> None:
 def resume(ctx: click.Context, queues: tuple[str, ...]) -> None:
     """Let QUEUES' tasks go again: the due ones at once, oldest first."""
     store = _load(ctx)[1]
-    with _store_errors():
-        for queue in queues:
-            click.echo(f"{queue}: {'resumed' if store.resume(queue) else 'was not paused'}")
+    for queue in queues:
+        click.echo(f"{queue}: {'resumed' if store.resume(queue) else 'was not paused'}")
 
 
 @delayed.command(name="rate", cls=CeleryCommand)
@@ -469,9 +466,8 @@ def rate_command(ctx: click.Context, queue: str, rate: str | None, reset: bool) 
         value = parse_rate(rate)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="RATE") from None
-    with _store_errors():
-        store.set_rate(queue, value)
-        limit = store.queue_rates().get(queue)
+    store.set_rate(queue, value)
+    limit = store.queue_rates().get(queue)
     click.echo(f"{queue}: {'no limit' if limit is None else f'at most {limit:g} tasks/s'}")
 
 
@@ -482,8 +478,7 @@ def queues(ctx: click.Context, as_json: bool) -> None:
     """Per queue with scheduled tasks, paused or rate-limited: its overdue tasks (held back, when paused),
     its next due time, whether it is paused, its rate limit."""
     store = _load(ctx)[1]
-    with _store_errors():
-        rows, now_ms = store.queues(), store.now_ms()
+    rows, now_ms = store.queues(), store.now_ms()
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -497,12 +492,12 @@ def queues(ctx: click.Context, as_json: bool) -> None:
 
 
 @contextmanager
-def _store_errors() -> Iterator[None]:
-    """An unreachable store or a bad argument is a one-line error, not a traceback."""
+def _listening(address: str, port: int) -> Iterator[None]:
+    """A port that cannot be served on (in use, privileged, an address not this machine's) is one line."""
     try:
         yield
-    except (StoreUnavailable, ValueError, TaskNotScheduled, TaskInFlight) as exc:
-        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve on {address}:{port}: {exc.strerror or exc}") from None
 
 
 def _due_in(due_ms: int | None, now_ms: int) -> str:
@@ -544,7 +539,8 @@ def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, tok
                                allowed_hosts=(*allowed_hosts, address))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    application.listen(port, address)
+    with _listening(address, port):
+        application.listen(port, address)
     auth = "basic auth" if basic_auth else "no auth"
     click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth}{', token' if token else ''})")
     if address not in ("127.0.0.1", "localhost", "::1") and not (basic_auth or token):
@@ -570,8 +566,7 @@ def dlq() -> None:
 def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
     """The most recent dead letters: task, where and why they were parked, and when."""
     letters = _dead_letters(ctx)
-    with _dlq_errors():
-        rows = [letter.describe() for letter in letters.list(limit)]
+    rows = [letter.describe() for letter in letters.list(limit)]
     if as_json:
         click.echo(json.dumps([{k: row[k] for k in LIST_FIELDS} for row in rows]))
         return
@@ -590,8 +585,7 @@ def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
 @click.pass_context
 def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """One dead letter in full: why it was parked, its traceback and its message's headers."""
-    with _dlq_errors():
-        letter = _dead_letters(ctx).get(task_id)
+    letter = _dead_letters(ctx).get(task_id)
     if letter is None:
         raise _unknown(task_id)
     info = letter.describe()
@@ -621,9 +615,8 @@ def requeue(ctx: click.Context, task_id: str | None, every: bool) -> None:
     _one_or_all(task_id, every)
     letters, backend = _dead_letters(ctx), ctx.obj.app.backend
     if task_id is not None:
-        with _dlq_errors():
-            if not letters.requeue(task_id, backend):
-                raise _unknown(task_id)
+        if not letters.requeue(task_id, backend):
+            raise _unknown(task_id)
         click.echo(f"requeued {task_id}")
         return
     kept: list[str] = []
@@ -661,15 +654,6 @@ def purge(ctx: click.Context, task_id: str | None, every: bool, yes: bool) -> No
 
 def _dead_letters(ctx: click.Context) -> DeadLetters:
     return DeadLetters(_load(ctx)[1])
-
-
-@contextmanager
-def _dlq_errors() -> Iterator[None]:
-    """A record that cannot be read or requeued is a one-line error, not a traceback."""
-    try:
-        yield
-    except DeadLetterError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _unknown(task_id: str) -> click.ClickException:

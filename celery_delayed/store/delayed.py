@@ -30,13 +30,14 @@ from typing import Any, Callable, Iterable, Iterator, Sized
 
 import redis
 
-from celery_delayed.settings import ConfigurationError, Settings, redact_url
+from celery_delayed.settings import RATE, ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
     due_ms_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
-from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
-from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
+from celery_delayed.store.outcomes import (Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreRefused,
+    StoreUnavailable)
+from celery_delayed.store.redis_client import UNREACHABLE, connect, execute, refusal
 from celery_delayed.store.scripts import Scripts
 
 logger = logging.getLogger(__name__)
@@ -323,8 +324,8 @@ class DelayedStore(Inspection):
         _check_queue(queue, "limit")
         if rate is None:
             self.durable.command(self.keys.rates, "HDEL", self.keys.rates, queue)
-        elif not (rate >= 0 and math.isfinite(rate)):
-            raise ValueError(f"a rate must be tasks a second >= 0 (0 = no limit), got {rate!r}")
+        elif not (rate == 0 or rate in RATE):
+            raise ValueError(f"a rate must be tasks a second {RATE}, or 0 (no limit), got {rate!r}")
         else:
             self.durable.command(self.keys.rates, "HSET", self.keys.rates, queue, repr(float(rate)))
 
@@ -381,21 +382,27 @@ class DelayedStore(Inspection):
         return self._call_redis(self.scripts[name], keys=keys, args=args)
 
     def execute(self, pipe: redis.client.Pipeline) -> list:
-        """Run a pipeline of this store's Redis; an unreachable store is :class:`StoreUnavailable`."""
+        """Run a pipeline of this store's Redis; its errors as :meth:`_unchecked` raises them."""
         return self._call_redis(execute, self.redis, pipe)
 
     def _call_redis(self, command: Callable, *args, **kwargs):
-        """``command(*args, **kwargs)``, once the layout is checked; an unreachable store raised as
-        :class:`StoreUnavailable`."""
+        """``command(*args, **kwargs)``, once the layout is checked; errors as :meth:`_unchecked` raises them."""
         if not self._layout_checked:
             self.check_layout()
         return self._unchecked(command, *args, **kwargs)
 
     def _unchecked(self, command: Callable, *args, **kwargs):
+        """``command(*args, **kwargs)``: the store's calls to its Redis go through here, so an
+        unreachable store is :class:`StoreUnavailable` and one that refuses commands whatever
+        they are (full, read-only, an ACL) :class:`StoreRefused`, each naming the store."""
         try:
             return command(*args, **kwargs)
         except UNREACHABLE as exc:
             raise StoreUnavailable(self._unavailable(exc)) from exc
+        except redis.ResponseError as exc:
+            if (why := refusal(exc)) is None:
+                raise
+            raise StoreRefused(f"delayed store at {redact_url(self.settings.redis_url)} {why}") from exc
 
     def _unavailable(self, exc: Exception) -> str:
         return f"delayed store at {redact_url(self.settings.redis_url)} unavailable: {exc}"

@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator, Protocol
 from celery_delayed.envelope import Envelope, EnvelopeError, attempt_of
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.records import forget_run_records
-from celery_delayed.store.redis_client import execute
 
 logger = logging.getLogger(__name__)
 
@@ -154,15 +153,15 @@ class DeadLetters:
             logger.exception("could not record the FAILURE of dead-lettered task %s", letter.task_id)
 
     def get(self, task_id: str) -> DeadLetter | None:
-        data = self.store.redis.hget(self.keys[0], task_id)
+        data = self._redis("hget", self.keys[0], task_id)
         return DeadLetter.decode(data) if data is not None else None
 
     def list(self, limit: int = 100) -> list[DeadLetter]:
         """The most recent ``limit`` dead letters, newest first."""
-        ids = self.store.redis.zrevrange(self.keys[1], 0, limit - 1)
+        ids = self._redis("zrevrange", self.keys[1], 0, limit - 1)
         if not ids:
             return []
-        return [DeadLetter.decode(d) for d in self.store.redis.hmget(self.keys[0], ids) if d is not None]
+        return [DeadLetter.decode(d) for d in self._redis("hmget", self.keys[0], ids) if d is not None]
 
     def find(self, task: str | None = None, reason: str | None = None, limit: int = 100,
              budget: int = 5_000) -> list[DeadLetter]:
@@ -191,11 +190,11 @@ class DeadLetters:
         tied = 0  # letters seen at the last one's time: read again, and dropped
         while True:
             asked = REQUEUE_CHUNK + tied
-            page = self.store.redis.zrevrangebyscore(self.keys[1], "+inf" if last is None else last[0], "-inf",
-                                                     start=0, num=asked, withscores=True)
+            page = self._redis("zrevrangebyscore", self.keys[1], "+inf" if last is None else last[0], "-inf",
+                                start=0, num=asked, withscores=True)
             fresh = [(task_id, ms) for task_id, ms in page if last is None or (ms, task_id) < last]
             ids = [task_id for task_id, _ in fresh]
-            for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids) if ids else []):
+            for raw_id, data in zip(ids, self._redis("hmget", self.keys[0], ids) if ids else []):
                 if data is None:  # purged between the two reads
                     continue
                 try:
@@ -210,15 +209,19 @@ class DeadLetters:
 
     def holds(self, task_id: str) -> bool:
         """Whether a dead letter of ``task_id`` is parked (its record is not read)."""
-        return bool(self.store.redis.hexists(self.keys[0], task_id))
+        return bool(self._redis("hexists", self.keys[0], task_id))
 
     def count(self) -> int:
-        return self.store.redis.zcard(self.keys[1])
+        return self._redis("zcard", self.keys[1])
 
     def oldest_age(self) -> float | None:
         """Seconds since the oldest dead letter was parked (by Redis' clock); None when there is none."""
-        oldest = self.store.redis.zrange(self.keys[1], 0, 0, withscores=True)
+        oldest = self._redis("zrange", self.keys[1], 0, 0, withscores=True)
         return max(0.0, (self.store.now_ms() - oldest[0][1]) / 1000) if oldest else None
+
+    def _redis(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        """``command`` of the store's Redis, its errors the store's (:meth:`.DelayedStore._unchecked`)."""
+        return self.store._call_redis(getattr(self.store.redis, command), *args, **kwargs)
 
     # -- requeue -------------------------------------------------------------
     def requeue(self, task_id: str, backend: ResultBackend | None = None) -> bool:
@@ -230,7 +233,7 @@ class DeadLetters:
         whose stored result of the task is forgotten so the rerun is not skipped;
         the task's done and revoked records are dropped for the same reason.
         """
-        data = self.store.redis.hget(self.keys[0], task_id)
+        data = self._redis("hget", self.keys[0], task_id)
         if data is None:
             return False
         self._send_back([(task_id, data, *_requeueable(task_id, data))], self.store.now_ms(), backend)
@@ -247,7 +250,7 @@ class DeadLetters:
         requeued = kept = 0
         while ids := self._parked_before(now_ms, skip=kept):
             batch, outcomes = [], []
-            for raw_id, data in zip(ids, self.store.redis.hmget(self.keys[0], ids)):
+            for raw_id, data in zip(ids, self._redis("hmget", self.keys[0], ids)):
                 task_id = raw_id.decode()
                 try:
                     batch.append((task_id, data, *_requeueable(task_id, data)))
@@ -264,7 +267,7 @@ class DeadLetters:
 
     def _parked_before(self, ms: int, skip: int) -> list[bytes]:
         """Up to :data:`REQUEUE_CHUNK` task ids parked no later than ``ms``, oldest first, after ``skip``."""
-        return self.store.redis.zrange(self.keys[1], "-inf", ms, byscore=True, offset=skip, num=REQUEUE_CHUNK)
+        return self._redis("zrange", self.keys[1], "-inf", ms, byscore=True, offset=skip, num=REQUEUE_CHUNK)
 
     def _send_back(self, records: list[tuple[str, bytes, bytes, int]], now_ms: int,
                    backend: ResultBackend | None) -> None:
@@ -290,16 +293,16 @@ class DeadLetters:
         pipe = self.store.redis.pipeline(transaction=False)
         for task_id, record, *_ in records:
             self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id, record], client=pipe)
-        execute(self.store.redis, pipe)
+        self.store.execute(pipe)
 
     # -- purge ---------------------------------------------------------------
     def purge(self, task_id: str) -> bool:
         """Drop one dead letter for good; False when there was none."""
-        return self._scripts["remove_dead_letter"](keys=self.keys, args=[task_id]) == 1
+        return self.store._call("remove_dead_letter", self.keys, [task_id]) == 1
 
     def purge_all(self) -> int:
         """Drop every dead letter (UNLINK: freed in the background); returns how many there were."""
-        return self._scripts["purge_dead_letters"](keys=self.keys)
+        return self.store._call("purge_dead_letters", self.keys, [])
 
 
 def _requeueable(task_id: str, data: bytes | None) -> tuple[bytes, int]:

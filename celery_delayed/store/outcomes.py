@@ -28,6 +28,12 @@ class StoreUnavailable(RuntimeError):
     """
 
 
+class StoreRefused(StoreUnavailable):
+    """The delayed store's Redis answered but refuses the command whatever it is: full under
+    ``noeviction``, a read-only replica, an ACL that denies it... (:data:`.redis_client.REFUSALS`).
+    Like an unreachable store, one to try again later, or to fix: not a wrong command."""
+
+
 class StoreNotDurable(StoreUnavailable):
     """A store write (tasks scheduled, a dead letter) was not confirmed durable in time
     (``delayed_schedule_wait``).

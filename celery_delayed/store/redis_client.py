@@ -11,7 +11,9 @@ redis-py does not do on a cluster are done here:
   on every primary and sends again just the commands that got NOSCRIPT (a
   restarted or failed-over node has an empty script cache);
 - errors: a cluster that is down or cannot be reached raises errors outside
-  redis-py's ``ConnectionError``; :data:`UNREACHABLE` lists them all.
+  redis-py's ``ConnectionError``; :data:`UNREACHABLE` lists them all, and
+  :func:`refusal` tells a Redis that answers but refuses the command (full,
+  a replica, an ACL) from a command that is wrong.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Any, Iterable, Sequence
 import redis
 from redis.cluster import ClusterPipeline
 from redis.commands.core import Script as RedisScript
-from redis.exceptions import ClusterError, NoScriptError, RedisClusterException
+from redis.exceptions import (ClusterError, NoPermissionError, NoScriptError, OutOfMemoryError, ReadOnlyError,
+    RedisClusterException)
 
 from celery_delayed.settings import Settings
 
@@ -28,12 +31,38 @@ from celery_delayed.settings import Settings
 #: that is down, has slots without a node, or whose nodes all refuse connections).
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
 
+#: Error codes by which a Redis that answers refuses a command whatever the command, and what each says of it.
+#: (NOAUTH, WRONGPASS, LOADING, MASTERDOWN and CLUSTERDOWN are in :data:`UNREACHABLE` already.)
+REFUSALS = {
+    "OOM": "is full (maxmemory, noeviction) and refuses writes",
+    "READONLY": "is a read-only replica and refuses writes",
+    "NOPERM": "refuses the command to this user (ACL)",
+    "MISCONF": "refuses writes: it cannot save its snapshot",
+    "NOREPLICAS": "refuses writes: it has fewer replicas than min-replicas-to-write",
+    "BUSY": "is busy running a script",
+}
+#: The codes of :data:`REFUSALS` whose errors redis-py raises as classes of its own (their words without the code).
+_MAPPED = {OutOfMemoryError: "OOM", ReadOnlyError: "READONLY", NoPermissionError: "NOPERM"}
+#: How Redis 7.0 words an ACL refusal inside a script (as an ERR, which redis-py leaves out).
+_SCRIPT_NOPERM = "The user executing the script can't run this command"
+
 #: Connections a process keeps to a standalone store at most, and how long (s) a caller waits for one
 #: when all are busy (then ``ConnectionError``, a store error): a green or threads worker of -c 200
 #: whose tasks retry at once shares them, where redis-py's default pool refuses the 101st at once.
 POOL_SIZE, POOL_WAIT = 100, 20.0
 #: Script source by SHA-1, to load a script again on a node that lost it.
 _SOURCES: dict[str, str] = {}
+
+
+def refusal(exc: redis.ResponseError) -> str | None:
+    """What ``exc`` says of the Redis that raised it when it is one of :data:`REFUSALS`
+    (its meaning, then the code and Redis' words), else None: the command itself is wrong."""
+    words = str(exc).rpartition("caused error: ")[2]  # a pipeline prefixes the command that failed
+    code = next((code for kind, code in _MAPPED.items() if isinstance(exc, kind)),
+                "NOPERM" if words.startswith(_SCRIPT_NOPERM) else words.partition(" ")[0])
+    if code not in REFUSALS:
+        return None
+    return f"{REFUSALS[code]}: {code} {words.removeprefix(code).strip()}"
 
 
 def connect(settings: Settings) -> redis.Redis | redis.RedisCluster:

@@ -25,12 +25,13 @@ from typing import Any
 
 from celery import bootsteps, signals
 from celery.app.amqp import AMQP
+from celery.platforms import EX_FAILURE
 from celery.worker import state as worker_state
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from celery_delayed.envelope import Envelope, attempt_of
 from celery_delayed.kafka import consumer_config, ensure_topics
-from celery_delayed.settings import Settings
+from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.durability import worker_preflight
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
@@ -87,10 +88,16 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
         self.claims: RunClaims | None = None  # outlives feeds: kept across consumer restarts
 
     def start(self, c: Any) -> None:
-        self.feed = KafkaFeed(c, self.claims)
-        self.claims = self.feed.claims
-        self.feed.start()
-        guard_drained(c, self.claims)
+        """Start reading Kafka.  A bad setting or a store it must not use (another layout, eviction) stops
+        the worker with one line saying so, rather than Celery's "Unrecoverable error" traceback."""
+        try:
+            self.feed = KafkaFeed(c, self.claims)
+            self.claims = self.feed.claims
+            self.feed.start()
+            guard_drained(c, self.claims)
+        except ConfigurationError as exc:
+            logger.critical("celery-delayed cannot start this worker: %s", exc)
+            raise SystemExit(EX_FAILURE) from None
 
     def stop(self, c: Any) -> None:
         if self.feed is not None:

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
@@ -26,12 +27,13 @@ from celery_delayed.poller.leadership import make_etcd
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store.keys import Keys
-from tasks.processes import ROOT, Processes, environment, wait_for
+from tasks.processes import ROOT, Processes, environment, free_port, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer",
            "Starver", "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
-           "etcd3_status", "kill9", "leaders", "run_briefly", "server_pid", "wait_for", "wait_for_wake_up"]
+           "etcd3_status", "kill9", "leaders", "own_redis", "run_briefly", "server_pid", "wait_for",
+           "wait_for_wake_up"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
 
@@ -97,6 +99,33 @@ def cut_redis_connections(client, pid: int) -> int:
                     raise
                 closed += 1
     return closed
+
+
+@contextmanager
+def own_redis(workdir: Path, *config: str) -> Iterator[redis.Redis]:
+    """A redis-server of the test's own, on a free port, in ``workdir``, with ``config`` (``--name value``
+    arguments), for states the shared servers must never be put in (full, read-only, an ACL); a client
+    of it once it answers PING.  Killed by its PID at the end."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                               "--save", "", "--appendonly", "no", *config],
+                              stdout=(workdir / "redis.log").open("wb"), stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: _answers(client), 10, f"redis-server on port {port} (log: {workdir / 'redis.log'})")
+        yield client
+    finally:
+        client.close()
+        server.kill()
+        server.wait()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
 
 
 def server_pid(name: str) -> int:

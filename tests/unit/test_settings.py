@@ -1,11 +1,12 @@
 import dataclasses
+import math
 import re
 
 import pytest
 from celery import Celery
 
 from celery_delayed.kafka import consumer_config
-from celery_delayed.settings import ConfigurationError, Settings, redact_url
+from celery_delayed.settings import RANGES, ConfigurationError, Settings, redact_url
 
 
 def test_defaults_are_valid_and_local():
@@ -23,13 +24,13 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
 
 
 @pytest.mark.parametrize("name, value, words", [
-    ("partitions", 0, "delayed_partitions must be >= 1"),
+    ("partitions", 0, "delayed_partitions must be between 1 and 16384, got 0"),
     ("partitions", "many", "delayed_partitions must be int"),
     ("partitions", 1.5, "delayed_partitions must be int"),
-    ("lease_ttl", 1, "delayed_lease_ttl must be >= 2"),
-    ("revoke_days", 0, "delayed_revoke_days must be > 0"),
-    ("done_ttl", -1, "delayed_done_ttl must be >= 0"),
-    ("run_lease", 1, "delayed_run_lease must be >= 3"),
+    ("lease_ttl", 1, "delayed_lease_ttl must be between 2 and"),
+    ("revoke_days", 0, "delayed_revoke_days must be > 0 and"),
+    ("done_ttl", -1, "delayed_done_ttl must be between 0 and"),
+    ("run_lease", 1, "delayed_run_lease must be between 3 and"),
     ("redis_url", "http://x", "delayed_redis_url must be a redis://"),
     ("kafka_servers", "nohostport", "delayed_kafka_servers must be host:port"),
     ("etcd_endpoints", "ftp://127.0.0.1:2379", "delayed_etcd_endpoints must be [http(s)://]host:port"),
@@ -39,11 +40,51 @@ def test_reads_prefixed_settings_from_app_and_coerces_strings():
     ("kafka_config", "sasl", "delayed_kafka_config must be Mapping"),
     ("kafka_config", {"bootstrap.servers": "x:1"}, "delayed_kafka_config must not set bootstrap.servers"),
     ("claim_batch", 100000, "delayed_claim_batch must be between"),
-    ("queue_rates", {"bulk": 0}, "delayed_queue_rates values must be tasks per second > 0, got 0 for 'bulk'"),
+    ("queue_rates", {"bulk": 0}, "delayed_queue_rates values must be tasks per second > 0 and <= 1000000000, got 0 for "
+     "'bulk'"),
     ("queue_rates", {"bulk": "fast"}, "delayed_queue_rates values must be tasks per second > 0"),
     ("queue_rates", {"": 10}, "delayed_queue_rates keys must be queue names of 1 to 255 bytes"),
 ])
 def test_bad_values_name_the_setting(name, value, words):
+    with pytest.raises(ConfigurationError, match=re.escape(words)):
+        Settings.from_mapping({name: value})
+
+
+NUMERIC = [f.name for f in dataclasses.fields(Settings) if f.type in ("int", "float")]
+
+
+def test_every_numeric_setting_has_a_range():
+    assert sorted(RANGES) == sorted(NUMERIC)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, 1e30, "nan", "inf", "1e30", "many", True, False])
+@pytest.mark.parametrize("name", NUMERIC)
+def test_a_numeric_setting_refuses_what_is_not_a_sane_number_naming_it(name, value):
+    """Not a number, not finite, negative or absurdly large (a visibility timeout that would overflow
+    ms ints in Redis, a poller's timers): refused when the settings load, on one line naming it and the value."""
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_mapping({name: value})
+    message = str(refused.value)
+    assert message.startswith(f"delayed_{name} must be ") and message.endswith(f", got {value!r}")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("rate", [math.nan, math.inf, -1, 0, 1e30, "10", True])
+def test_a_queue_rate_must_be_a_sane_number(rate):
+    with pytest.raises(ConfigurationError, match=f"delayed_queue_rates values must be tasks per second > 0 and "
+                                                 f"<= 1000000000, got {re.escape(repr(rate))} for 'bulk'"):
+        Settings.from_mapping({"queue_rates": {"bulk": rate}})
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("schedule_wait", "replicas=1,timeout=inf", "delayed_schedule_wait must be replicas=N"),
+    ("schedule_wait", "replicas=1,timeout=nan", "delayed_schedule_wait must be replicas=N"),
+    ("schedule_wait", "replicas=1,timeout=1e30", "delayed_schedule_wait must be replicas=N"),
+    ("schedule_wait", "replicas=99999999999", "delayed_schedule_wait must be replicas=N"),
+    ("kafka_config", {"message.max.bytes": 10 ** 12}, "message.max.bytes must be an integer between 1000 and"),
+    ("kafka_config", {"message.max.bytes": "inf"}, "message.max.bytes must be an integer between 1000 and"),
+])
+def test_numbers_inside_other_settings_are_bounded_too(name, value, words):
     with pytest.raises(ConfigurationError, match=re.escape(words)):
         Settings.from_mapping({name: value})
 
@@ -203,7 +244,7 @@ def test_configuration_errors_never_echo_secrets(name, value):
 def test_kafka_message_limit_is_librdkafkas_default_or_the_configured_one():
     assert Settings().kafka_message_max_bytes == 1_000_000
     assert Settings.from_mapping({"kafka_config": {"message.max.bytes": "20000"}}).kafka_message_max_bytes == 20_000
-    with pytest.raises(ConfigurationError, match=r"message.max.bytes must be an integer >= 1000.*'big'"):
+    with pytest.raises(ConfigurationError, match=r"message.max.bytes must be an integer between 1000 and .*'big'"):
         Settings.from_mapping({"kafka_config": {"message.max.bytes": "big"}})
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class DelayedStore(Inspection):
         self._layout_checked = False
         self.scripts = Scripts(self.redis)
         self.durable = DurableWrites(self)
+        self._unread_claims: dict[int, str] = {}  # partition -> request id of a claim whose reply was not read
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
@@ -245,14 +247,20 @@ class DelayedStore(Inspection):
     def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = (),
               caps: dict[str, int] | None = None) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
-        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s."""
-        keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition)]
+        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s.
+
+        A claim that raised before its tasks were read (its reply lost after Redis ran it) left them
+        in flight: the next claim of ``partition`` sends its request id again and gets them too, rather
+        than leaving them to the visibility timeout (``lua/claim.lua``)."""
+        keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition),
+                self.keys.last_claim(partition)]
+        request = self._unread_claims.setdefault(partition, uuid.uuid4().hex)
         paused = list(paused)
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
                                                self.keys.bucket_prefix(partition), BUCKET_SECONDS,
-                                               int(self.settings.dispatch_lead * 1000), len(paused), *paused,
-                                               *(v for pair in (caps or {}).items() for v in pair)])
+                                               int(self.settings.dispatch_lead * 1000), request, len(paused),
+                                               *paused, *(v for pair in (caps or {}).items() for v in pair)])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
@@ -266,6 +274,7 @@ class DelayedStore(Inspection):
             _, lane, envelope = parse_stored(stored)
             taken[lane] += 1
             items.append((task_id_of(member), int(float(due_ms)), envelope))
+        del self._unread_claims[partition]
         return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken, bool(reply[3]))
 
     def _read_claimed(self, partition: int, members: list[bytes]) -> tuple[list, list]:

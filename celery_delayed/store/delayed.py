@@ -36,7 +36,8 @@ from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
     due_ms_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
-from celery_delayed.store.outcomes import Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreUnavailable
+from celery_delayed.store.outcomes import (STORE_ERRORS, Change, Fenced, LayoutMismatch, StoreNotDurable, Stored,
+    StoreUnavailable, write_retrying)
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute
 from celery_delayed.store.scripts import Scripts
 
@@ -53,6 +54,9 @@ SENDERS = 2
 #: Seconds of a queue's rate its token bucket holds at most: how far ahead of its
 #: rate a rate-limited queue may go after a pause in its dispatch.
 TOKEN_BURST_S = 0.25
+#: How long (ms) what a cancel request removed is kept for the request sent again after a lost reply
+#: (``write_retrying`` does so within seconds), when the request cannot forget it itself.
+CANCEL_KEPT_MS = 60_000
 #: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
 #: within Lua's ``unpack`` limit (~8000 values).
 SCRIPT_PAIRS = 1000
@@ -185,15 +189,39 @@ class DelayedStore(Inspection):
         return Change.DONE if isinstance(removed, bytes) else removed
 
     def cancel_many(self, task_ids: Iterable[str]) -> dict[str, bytes | Change]:
-        """Remove scheduled tasks; per id its envelope when removed, else why not (UNKNOWN, IN_FLIGHT)."""
+        """Remove scheduled tasks; per id its envelope when removed, else why not (UNKNOWN, IN_FLIGHT).
+
+        Sent again, with the same request id, while the store is unreachable: a reply lost after
+        Redis removed the tasks is then answered from what the request removed (``lua/cancel.lua``),
+        which is forgotten once read."""
         ids = list(dict.fromkeys(task_ids))
+        request = uuid.uuid4().hex
+
+        def send() -> list:
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in ids:
+                p = self.partition(task_id)
+                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request)]
+                self.scripts["cancel"](keys=keys, client=pipe,
+                                       args=[self.keys.bucket_prefix(p), member_of(task_id), CANCEL_KEPT_MS])
+            return self.execute(pipe)
+
+        replies = write_retrying(send, (), failed=f"cancel of {len(ids)} tasks", errors=(StoreUnavailable,))
+        self._forget_cancelled(request, {self.partition(task_id) for task_id, reply in zip(ids, replies)
+                                         if isinstance(reply, bytes)})
+        return {task_id: reply if isinstance(reply, bytes) else Change(reply) for task_id, reply in zip(ids, replies)}
+
+    def _forget_cancelled(self, request: str, partitions: set[int]) -> None:
+        """Drop what a cancel request removed, its reply read (a store away now: it expires)."""
+        if not partitions:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for task_id in ids:
-            p = self.partition(task_id)
-            self.scripts["cancel"](keys=[*self.keys.core(p), self.keys.attempts(p)],
-                                   args=[self.keys.bucket_prefix(p), member_of(task_id)], client=pipe)
-        return {task_id: reply if isinstance(reply, bytes) else Change(reply)
-                for task_id, reply in zip(ids, self.execute(pipe))}
+        for p in partitions:  # one key per DEL: a cluster pipeline refuses several
+            pipe.delete(self.keys.cancelled(p, request))
+        try:
+            self.execute(pipe)
+        except STORE_ERRORS as exc:
+            logger.debug("cancel request %s: its record stays until it expires (%s)", request, exc)
 
     # -- replace by key ------------------------------------------------------
     def key_holder(self, key: str) -> str | None:

@@ -73,7 +73,7 @@ local function due_again(ids, due)
   for _, id in ipairs(ids) do
     local message = redis.call('HGET', msgs, id)
     if message then put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message) end
-    redis.call('ZREM', inflight, id)
+    remove(inflight, id)
   end
 end
 
@@ -81,7 +81,7 @@ end
 due_again(redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit), now)
 local last = redis.call('GET', stamp_key) or '0'
 if redis.call('GET', claim_key) == request .. ' ' .. last then
-  due_again(redis.call('ZRANGE', inflight, last, last, 'BYSCORE'), math.max(now, tonumber(last) - visibility + lead))
+  due_again(zrange(inflight, last, last, 'BYSCORE'), math.max(now, tonumber(last) - visibility + lead))
 end
 
 -- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,8 +36,8 @@ from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
     due_ms_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
-from celery_delayed.store.outcomes import (Change, Fenced, LayoutMismatch, StoreNotDurable, Stored, StoreRefused,
-    StoreUnavailable)
+from celery_delayed.store.outcomes import (STORE_ERRORS, Change, Fenced, LayoutMismatch, StoreNotDurable, Stored,
+    StoreRefused, StoreUnavailable, write_retrying)
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute, refusal
 from celery_delayed.store.scripts import Scripts
 
@@ -53,6 +54,9 @@ SENDERS = 2
 #: Seconds of a queue's rate its token bucket holds at most: how far ahead of its
 #: rate a rate-limited queue may go after a pause in its dispatch.
 TOKEN_BURST_S = 0.25
+#: How long (ms) what a cancel request removed is kept for the request sent again after a lost reply
+#: (``write_retrying`` does so within seconds), when the request cannot forget it itself.
+CANCEL_KEPT_MS = 60_000
 #: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
 #: within Lua's ``unpack`` limit (~8000 values).
 SCRIPT_PAIRS = 1000
@@ -83,6 +87,7 @@ class DelayedStore(Inspection):
         self._layout_checked = False
         self.scripts = Scripts(self.redis)
         self.durable = DurableWrites(self)
+        self._unread_claims: dict[int, str] = {}  # partition -> request id of a claim whose reply was not read
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
@@ -184,15 +189,39 @@ class DelayedStore(Inspection):
         return Change.DONE if isinstance(removed, bytes) else removed
 
     def cancel_many(self, task_ids: Iterable[str]) -> dict[str, bytes | Change]:
-        """Remove scheduled tasks; per id its envelope when removed, else why not (UNKNOWN, IN_FLIGHT)."""
+        """Remove scheduled tasks; per id its envelope when removed, else why not (UNKNOWN, IN_FLIGHT).
+
+        Sent again, with the same request id, while the store is unreachable: a reply lost after
+        Redis removed the tasks is then answered from what the request removed (``lua/cancel.lua``),
+        which is forgotten once read."""
         ids = list(dict.fromkeys(task_ids))
+        request = uuid.uuid4().hex
+
+        def send() -> list:
+            pipe = self.redis.pipeline(transaction=False)
+            for task_id in ids:
+                p = self.partition(task_id)
+                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request)]
+                self.scripts["cancel"](keys=keys, client=pipe,
+                                       args=[self.keys.bucket_prefix(p), member_of(task_id), CANCEL_KEPT_MS])
+            return self.execute(pipe)
+
+        replies = write_retrying(send, (), failed=f"cancel of {len(ids)} tasks", errors=(StoreUnavailable,))
+        self._forget_cancelled(request, {self.partition(task_id) for task_id, reply in zip(ids, replies)
+                                         if isinstance(reply, bytes)})
+        return {task_id: reply if isinstance(reply, bytes) else Change(reply) for task_id, reply in zip(ids, replies)}
+
+    def _forget_cancelled(self, request: str, partitions: set[int]) -> None:
+        """Drop what a cancel request removed, its reply read (a store away now: it expires)."""
+        if not partitions:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for task_id in ids:
-            p = self.partition(task_id)
-            self.scripts["cancel"](keys=[*self.keys.core(p), self.keys.attempts(p)],
-                                   args=[self.keys.bucket_prefix(p), member_of(task_id)], client=pipe)
-        return {task_id: reply if isinstance(reply, bytes) else Change(reply)
-                for task_id, reply in zip(ids, self.execute(pipe))}
+        for p in partitions:  # one key per DEL: a cluster pipeline refuses several
+            pipe.delete(self.keys.cancelled(p, request))
+        try:
+            self.execute(pipe)
+        except STORE_ERRORS as exc:
+            logger.debug("cancel request %s: its record stays until it expires (%s)", request, exc)
 
     # -- replace by key ------------------------------------------------------
     def key_holder(self, key: str) -> str | None:
@@ -246,14 +275,20 @@ class DelayedStore(Inspection):
     def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = (),
               caps: dict[str, int] | None = None) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
-        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s."""
-        keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition)]
+        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s.
+
+        A claim that raised before its tasks were read (its reply lost after Redis ran it) left them
+        in flight: the next claim of ``partition`` sends its request id again and gets them too, rather
+        than leaving them to the visibility timeout (``lua/claim.lua``)."""
+        keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition),
+                self.keys.last_claim(partition)]
+        request = self._unread_claims.setdefault(partition, uuid.uuid4().hex)
         paused = list(paused)
         try:
             reply = self._call("claim", keys, [token, limit, int(self.settings.visibility_timeout * 1000),
                                                self.keys.bucket_prefix(partition), BUCKET_SECONDS,
-                                               int(self.settings.dispatch_lead * 1000), len(paused), *paused,
-                                               *(v for pair in (caps or {}).items() for v in pair)])
+                                               int(self.settings.dispatch_lead * 1000), request, len(paused),
+                                               *paused, *(v for pair in (caps or {}).items() for v in pair)])
         except redis.ResponseError as exc:
             if "FENCED" in str(exc):
                 raise Fenced(f"partition {partition}: {exc}") from None
@@ -267,6 +302,7 @@ class DelayedStore(Inspection):
             _, lane, envelope = parse_stored(stored)
             taken[lane] += 1
             items.append((task_id_of(member), int(float(due_ms)), envelope))
+        del self._unread_claims[partition]
         return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken, bool(reply[3]))
 
     def _read_claimed(self, partition: int, members: list[bytes]) -> tuple[list, list]:

@@ -23,6 +23,11 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{p}:attempt", "HASH", "id -> attempt number of the stored copy (retries only)"),
     ("<prefix>:{p}:fence", "STRING", "highest fencing token that has claimed the partition"),
     ("<prefix>:{p}:stamp", "STRING", "the last claim's stamp (stamps only grow)"),
+    ("<prefix>:{p}:claim", "STRING",
+     "the last claim's request id and stamp: the claim sent again after its reply was lost finds its tasks"),
+    ("<prefix>:{p}:cancelled:<request>", "HASH",
+     "id -> envelope of the tasks one cancel request removed, kept a minute at most: sent again after its reply "
+     "was lost, it answers the same"),
     ("<prefix>:{p}:keys", "HASH", "replace-by-key key -> the task id scheduled under it"),
     ("<prefix>:{p}:wait", "STRING",
      "a short-lived write after which WAIT/WAITAOF confirms a cluster node's replication"),
@@ -94,6 +99,12 @@ class Keys:
 
     def stamp(self, partition: int) -> str:
         return self.of(partition, "stamp")
+
+    def last_claim(self, partition: int) -> str:
+        return self.of(partition, "claim")
+
+    def cancelled(self, partition: int, request: str) -> str:
+        return self.of(partition, f"cancelled:{request}")
 
     def key_index(self, partition: int) -> str:
         return self.of(partition, "keys")

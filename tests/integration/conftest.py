@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -23,7 +25,7 @@ from celery_delayed.settings import Settings
 
 from config import celeryconfig
 
-from .support import Processes, Servers
+from .support import Processes, Servers, Toxiproxy
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +52,18 @@ def services() -> Settings:
     except Exception as exc:
         pytest.fail(f"Kafka at {s.kafka_servers} is down ({exc}); {hint}")
     return s
+
+
+@pytest.fixture(scope="session")
+def toxiproxy(services, tmp_path_factory) -> Iterator[Toxiproxy]:
+    """A toxiproxy-server for the session (killed at its end) with proxy ``redis``, to the shared Redis:
+    a test that loses replies on the way back connects through it (``toxiproxy.listen["redis"]``)."""
+    server = Toxiproxy(tmp_path_factory.mktemp("toxiproxy") / "toxiproxy.log")
+    try:
+        server.proxy("redis", urlsplit(services.redis_url).netloc)
+        yield server
+    finally:
+        server.close()
 
 
 #: The Redis Cluster of scripts/services (any node will do: the client finds the others).

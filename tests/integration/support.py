@@ -1,6 +1,7 @@
 """Helpers for integration tests: real subprocesses and patient waiting."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from contextlib import contextmanager
@@ -31,8 +33,9 @@ from tasks.processes import ROOT, Processes, environment, free_port, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer",
-           "Starver", "TopicReader", "cut_redis_connections", "envelopes", "environment", "etcd3_leader", "etcd3_port",
-           "etcd3_status", "kill9", "leaders", "own_redis", "run_briefly", "server_pid", "wait_for",
+           "Starver", "TopicReader", "Toxiproxy", "cut_redis_connections", "envelopes", "environment",
+           "etcd3_leader", "etcd3_port", "etcd3_status", "kill9", "leaders", "own_redis", "run_briefly", "server_pid",
+           "wait_for",
            "wait_for_wake_up"]
 
 SERVICES_DIR = Path(os.environ.get("CD_SERVICES_DIR", ROOT / ".services"))
@@ -267,6 +270,65 @@ class Servers:
     def restore(self) -> None:
         for name in list(self.stopped):
             self.start(name)
+
+
+class Toxiproxy:
+    """A toxiproxy-server (``scripts/services toxiproxy``) of this test session on a free loopback
+    port, driven through its HTTP API: proxies whose traffic a test spoils with a toxic."""
+
+    def __init__(self, log: Path) -> None:
+        binary = SERVICES_DIR / "bin" / "toxiproxy-server"
+        if not binary.exists():
+            pytest.fail(f"{binary} is missing: install it with scripts/services toxiproxy")
+        port = free_port()
+        self.api = f"http://127.0.0.1:{port}"
+        self.listen: dict[str, str] = {}  # proxy name -> its address, host:port
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen([str(binary), "-host", "127.0.0.1", "-port", str(port)],
+                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(self._answers, 10, f"toxiproxy-server on port {port} (log: {log})")
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self._call("GET", "/version"))
+        except OSError:
+            return False
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        request = urllib.request.Request(self.api + path, method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            text = reply.read()
+        return json.loads(text) if text.strip().startswith((b"{", b"[")) else text
+
+    def proxy(self, name: str, upstream: str) -> str:
+        """A proxy to ``upstream`` (host:port) on a free loopback port; its address, host:port."""
+        self.listen[name] = self._call("POST", "/proxies", {"name": name, "listen": "127.0.0.1:0",
+                                                            "upstream": upstream})["listen"]
+        return self.listen[name]
+
+    @contextlib.contextmanager
+    def replies_lost(self, name: str) -> Iterator[None]:
+        """While inside: every reply that comes back through proxy ``name`` resets its connection
+        (toxic ``reset_peer`` downstream), so a request reaches the server and its reply is lost."""
+        self._call("POST", f"/proxies/{name}/toxics", {"name": "lost", "type": "reset_peer", "stream": "downstream",
+                                                       "attributes": {"timeout": 0}})
+        try:
+            yield
+        finally:
+            self._call("DELETE", f"/proxies/{name}/toxics/lost")
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class Starver:

@@ -38,7 +38,7 @@ def nodes(store: DelayedStore) -> dict[int, redis.Redis]:
 def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store):
     store.schedule_many(envelopes(400, "q", store.now_ms() - 1000))
     for p in range(16):
-        store.claim(p, token=1, limit=5)  # adds the inflight, fence and stamp keys
+        store.claim(p, token=1, limit=5)  # adds the inflight, fence, stamp and claim keys
     where: dict[int, set[int]] = defaultdict(set)
     names: dict[int, set[str]] = defaultdict(set)
     for port, client in nodes(store).items():
@@ -48,11 +48,12 @@ def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store)
             names[p].add(key.decode().split("}:", 1)[1].split(":")[0])
     assert sorted(where) == list(range(16))
     assert all(len(ports) == 1 for ports in where.values()), dict(where)
-    assert all(kinds == {"t", "buckets", "lanes", "msg", "inflight", "fence", "stamp"} for kinds in names.values()), \
-        dict(names)
+    assert all(kinds == {"t", "buckets", "lanes", "msg", "inflight", "fence", "stamp", "claim"}
+               for kinds in names.values()), dict(names)
     assert {port for ports in where.values() for port in ports} == set(nodes(store))
 
 
+@pytest.mark.serial  # flushes the shared cluster's scripts: another test's pipeline would meet NOSCRIPT
 def test_scripts_a_node_lost_are_loaded_again_and_each_runs_once(store):
     """A restarted or failed-over node has no scripts: the pipelined calls it refused are sent again, alone."""
     due = store.now_ms() + 60_000

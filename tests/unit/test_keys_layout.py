@@ -24,6 +24,8 @@ BUILT = {
     "<prefix>:{p}:attempt": K.attempts("p"),
     "<prefix>:{p}:fence": K.fence("p"),
     "<prefix>:{p}:stamp": K.stamp("p"),
+    "<prefix>:{p}:claim": K.last_claim("p"),
+    "<prefix>:{p}:cancelled:<request>": K.cancelled("p", "<request>"),
     "<prefix>:{p}:keys": K.key_index("p"),
     "<prefix>:{p}:wait": K.wait_probe("p"),
     "<prefix>:run:{<crc>}<id>": K.run("<id>"),

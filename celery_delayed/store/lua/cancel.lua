@@ -6,18 +6,26 @@
 -- Every key is read before the first write, and none is used once emptied: on a Redis
 -- Cluster slot migration a key not on the node fails the script, and so only before it
 -- changed anything (`gone`, _buckets.lua).
+-- The removed envelope is also kept a while under the cancel's request id (KEYS[6]), so the
+-- same request sent again after its reply was lost (DelayedStore.cancel_many) answers it
+-- again rather than "unknown".
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
--- KEYS[5] attempt HASH
--- ARGV[1] bucket key prefix   ARGV[2] task id
--- Returns the removed task's envelope, 0 when unknown, -1 when in flight (store.Change).
+-- KEYS[5] attempt HASH   KEYS[6] what this request removed: id -> envelope HASH
+-- ARGV[1] bucket key prefix   ARGV[2] task id   ARGV[3] ms KEYS[6] is kept
+-- Returns the removed task's envelope (now or by this request before), 0 when unknown, -1 when in
+-- flight (store.Change).
 --- @include _buckets
-local index, msgs, inflight, lanes, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local index, msgs, inflight, lanes, attempts, removed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix, id = ARGV[1], ARGV[2]
 local message = redis.call('HGET', msgs, id)
-if not message then return 0 end
+local before = redis.call('HGET', removed, id)  -- removed by this request sent before
+if not message then return before or 0 end
 if redis.call('ZSCORE', inflight, id) then return -1 end
 take_from_bucket(lanes, index, prefix, id, message)
 redis.call('HDEL', msgs, id)
 redis.call('HDEL', attempts, id)
-return envelope_of(message)
+local envelope = envelope_of(message)
+redis.call('HSET', removed, id, envelope)
+redis.call('PEXPIRE', removed, ARGV[3])
+return envelope

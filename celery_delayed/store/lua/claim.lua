@@ -15,13 +15,18 @@
 -- that is spent, it is closed for the rest of the claim, and the reply says whether
 -- it still had due tasks (throttled): the poller comes back when it has tokens again.
 -- Its next task not yet due is the partition's next due time as any lane's is.
+-- Each claim comes with a request id, recorded with its stamp. A claim whose reply was lost
+-- is sent again with the same id (DelayedStore.claim): when it is still the partition's last
+-- claim, its tasks still in flight are due again at once (not after the visibility timeout),
+-- at that claim's horizon (the latest due time they can have: none runs early), and claimed
+-- as any due task is (a queue paused meanwhile keeps its tasks).
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
--- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING
+-- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING   KEYS[7] last claim: "<request id> <stamp>" STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
--- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms
--- ARGV[7] number of paused lanes n   ARGV[8 .. 7 + n] the paused lanes   then pairs: lane, cap
+-- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms   ARGV[7] request id
+-- ARGV[8] number of paused lanes n   ARGV[9 .. 8 + n] the paused lanes   then pairs: lane, cap
 -- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, id, due_ms, ...}; fails with
 -- FENCED when a newer leader has claimed this partition. The messages are not in the reply: the client
 -- reads them with HMGET, then ZMSCORE (DelayedStore.claim), and keeps those still in flight under this
@@ -31,8 +36,9 @@
 -- claimed without a message (a bucket entry left by a schedule.lua a slot migration cut short) leaves
 -- inflight when its claim expires or is nacked, or when the id is scheduled again (schedule.lua).
 --- @include _buckets
-local index, msgs, inflight, lanes, fence_key, stamp_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local prefix = ARGV[4]
+local index, msgs, inflight, lanes, fence_key, stamp_key, claim_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6], KEYS[7]
+local prefix, request = ARGV[4], ARGV[7]
 local token = tonumber(ARGV[1])
 local fence = tonumber(redis.call('GET', fence_key) or '0')
 if token < fence then
@@ -44,14 +50,15 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local width = tonumber(ARGV[5])
-local horizon = now + tonumber(ARGV[6])
+local visibility, lead = tonumber(ARGV[3]), tonumber(ARGV[6])
+local horizon = now + lead
 local closed, caps, shut, paused = {}, {}, 0, {}  -- closed: paused or capped to 0; shut: how many
-for i = 8, 7 + tonumber(ARGV[7]) do
+for i = 9, 8 + tonumber(ARGV[8]) do
   closed[ARGV[i]] = true
   paused[ARGV[i]] = true
   shut = shut + 1
 end
-for i = 8 + tonumber(ARGV[7]), #ARGV, 2 do
+for i = 9 + tonumber(ARGV[8]), #ARGV, 2 do
   caps[ARGV[i]] = tonumber(ARGV[i + 1])
   if caps[ARGV[i]] <= 0 and not closed[ARGV[i]] then
     closed[ARGV[i]] = true
@@ -59,21 +66,30 @@ for i = 8 + tonumber(ARGV[7]), #ARGV, 2 do
   end
 end
 
--- expired claims go back to the bucket of "now", message and all (bucket first, as
--- in nack.lua, so a failure on an undeclared key leaves the task in flight)
-local expired = redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit)
-local bucket = bucket_for(now, width)
-for _, id in ipairs(expired) do
-  local message = redis.call('HGET', msgs, id)
-  if message then put_in_bucket(lanes, index, msgs, prefix, bucket, id, now, message) end
-  redis.call('ZREM', inflight, id)
+-- Claimed tasks `ids` go back to their buckets, due at `due`, message and all (bucket first,
+-- as in nack.lua, so a failure on an undeclared key leaves the task in flight).
+local function due_again(ids, due)
+  local bucket = bucket_for(due, width)
+  for _, id in ipairs(ids) do
+    local message = redis.call('HGET', msgs, id)
+    if message then put_in_bucket(lanes, index, msgs, prefix, bucket, id, due, message) end
+    remove(inflight, id)
+  end
+end
+
+-- expired claims are due now; those of this request sent again at its horizon, or now if that passed
+due_again(redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit), now)
+local last = redis.call('GET', stamp_key) or '0'
+if redis.call('GET', claim_key) == request .. ' ' .. last then
+  due_again(zrange(inflight, last, last, 'BYSCORE'), math.max(now, tonumber(last) - visibility + lead))
 end
 
 -- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)
-local deadline = now + tonumber(ARGV[3])
-local last = tonumber(redis.call('GET', stamp_key) or '0')
+local deadline = now + visibility
+last = tonumber(last)
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', stamp_key, deadline)
+redis.call('SET', claim_key, request .. ' ' .. deadline)
 local out = {now, -1, deadline, 0}
 
 -- Claim up to `most` due tasks of lane `lane`; returns how many ids it took.

@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_delayed import store_of
+from celery_delayed.inert import inert
 from celery_delayed.kafka import fleet, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
@@ -58,7 +59,7 @@ def _load(ctx: click.Context, check: bool = True) -> tuple[Settings, DelayedStor
             store.check_layout()
         return store.settings, store
     except (ConfigurationError, StoreUnavailable) as exc:  # a cluster client connects here
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
 
 
 @delayed.command(cls=CeleryCommand)
@@ -86,7 +87,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     try:
         the_poller.run()
     except ConfigurationError as exc:  # the store's layout or memory policy: raised before anything runs
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
 
 
 @delayed.command(cls=CeleryCommand)
@@ -113,8 +114,9 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
     if paused:
-        console.print("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): " + ", ".join(
-            f"{queue} (since {_age((now_ms - since) / 1000)})" for queue, since in sorted(paused.items())))
+        console.print(_cell("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): "
+                            + ", ".join(f"{queue} (since {_age((now_ms - since) / 1000)})"
+                                        for queue, since in sorted(paused.items()))))
     if names is not None:
         console.print(_task_table(names, now_ms))
 
@@ -128,7 +130,7 @@ def _task_names(ctx: click.Context, elsewhere: tuple[str, ...] = ()) -> list[dic
 def _task_table(names: list[dict], now_ms: int) -> Table:
     table = Table("task", "scheduled", "next due", "registered")
     for row in names:
-        table.add_row(row["task"], f"{row['count']:,}", f"{iso_of(row['next_due_ms'])} "
+        table.add_row(_cell(row["task"]), f"{row['count']:,}", f"{iso_of(row['next_due_ms'])} "
                       f"({_due_in(row['next_due_ms'], now_ms)})", "yes" if row["registered"] else "NO",
                       style=None if row["registered"] else "bold red")
     return table
@@ -157,7 +159,7 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
         return
     table = Table("queue", "topic", "partitions", "workers reading", "lag")
     for topic in state.topics:
-        table.add_row(topic.queue, settings.topic(topic.queue), str(topic.partitions), str(topic.consumers),
+        table.add_row(_cell(topic.queue), _cell(settings.topic(topic.queue)), str(topic.partitions), str(topic.consumers),
                       str(topic.lag))
     console.print(table)
     if state.idle:
@@ -201,7 +203,7 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
         if key == "eta" and value is not None:
             value = f"{value} ({_due_in(info['due_ms'], now_ms)})"
         shown = json.dumps(value, indent=2) if isinstance(value, dict) else str(value)
-        table.add_row(Text(key, style="bold"), Text(shown))  # Text: never read as rich markup
+        table.add_row(Text(key, style="bold"), _cell(shown))
     console.print(table)
 
 
@@ -282,8 +284,8 @@ def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bo
     if outcome is Change.UNKNOWN:
         raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
                                    "or cancelled)")
-    click.echo(f"cancelled {task_id}" if outcome is Change.DONE
-               else f"{task_id} is being dispatched: revoke sent to the workers")
+    click.echo(inert(f"cancelled {task_id}" if outcome is Change.DONE
+                     else f"{task_id} is being dispatched: revoke sent to the workers"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -314,7 +316,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     task_id = _task_id_of(store, task_id, key)
     with _store_errors():
         due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
-    click.echo(f"{task_id} now due {iso_of(due_ms)}")
+    click.echo(inert(f"{task_id} now due {iso_of(due_ms)}"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -339,7 +341,7 @@ def check(ctx: click.Context, as_json: bool, ignore: tuple[str, ...]) -> None:
         console.print(_task_table(names, store.now_ms()))
     if unknown := [row for row in names if not row["registered"]]:
         raise click.ClickException(f"{len(unknown)} scheduled task name(s) this app does not register: "
-                                   + ", ".join(f"{row['task']} ({row['count']:,} scheduled, next due "
+                                   + ", ".join(f"{inert(row['task'])} ({row['count']:,} scheduled, next due "
                                                f"{iso_of(row['next_due_ms'])})" for row in unknown)
                                    + "; register them again (an alias task of the old name) or cancel them "
                                    "(delayed cancel --task NAME); a name another service's workers run: --ignore NAME")
@@ -405,10 +407,10 @@ def upcoming(ctx: click.Context, limit: int, after: str | None, as_json: bool) -
         click.echo(json.dumps({"items": page.items, "cursor": page.cursor}))
         return
     for item in page.items:  # one line per task, whole ids: easy to copy and to grep
-        click.echo(f"{item['eta']}  {_due_in(item['due_ms'], now_ms):>9}  {item['task_id']}  {item['task']}  "
-                   f"queue={item['queue']} partition={item['partition']}")
+        click.echo(inert(f"{item['eta']}  {_due_in(item['due_ms'], now_ms):>9}  {item['task_id']}  {item['task']}  "
+                         f"queue={item['queue']} partition={item['partition']}"))
     if page.cursor:
-        click.echo(f"next page: --after {page.cursor}")
+        click.echo(inert(f"next page: --after {page.cursor}"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -470,7 +472,7 @@ def queues(ctx: click.Context, as_json: bool) -> None:
     table = Table("queue", "overdue", "next due", "paused", "rate")
     for row in rows:
         since = row["paused_since_ms"]
-        table.add_row(row["queue"] or "(stored before lanes)", str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
+        table.add_row(_cell(row["queue"] or "(stored before lanes)"), str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
                       "-" if since is None else f"since {_age((now_ms - since) / 1000)}",
                       "-" if row["rate"] is None else f"{row['rate']:g}/s")
     console.print(table)
@@ -482,7 +484,12 @@ def _store_errors() -> Iterator[None]:
     try:
         yield
     except (StoreUnavailable, ValueError, TaskNotScheduled, TaskInFlight) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
+
+
+def _cell(value: object) -> Text:
+    """A value from the store for rich: inert, and a Text, never read as rich markup."""
+    return Text(inert(str(value)))
 
 
 def _due_in(due_ms: int | None, now_ms: int) -> str:
@@ -523,7 +530,7 @@ def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, tok
         application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token,
                                allowed_hosts=(*allowed_hosts, address))
     except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
     application.listen(port, address)
     auth = "basic auth" if basic_auth else "no auth"
     click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth}{', token' if token else ''})")
@@ -558,8 +565,8 @@ def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
     table = Table("task id", "task", "source", "reason", "attempts", "age",
                   title=f"{len(rows)} of {letters.count()} dead letters")
     now = time.time()
-    for row in rows:  # Text: reasons are shown as written, never read as rich markup
-        table.add_row(*(Text(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
+    for row in rows:
+        table.add_row(*(_cell(v) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
                                                row["attempts"], _age(now - row["timestamp"]))))
     console.print(table)
 
@@ -582,10 +589,11 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
                          f" ({_age(time.time() - info['timestamp'])} ago)")
     for key, value in info.items():
         text = json.dumps(value, indent=2) if isinstance(value, dict) else str(value)
-        if "\n" in text:
-            click.echo(f"{key}:\n{textwrap.indent(text.rstrip(), '  ')}")
+        lines = [inert(line) for line in text.rstrip().split("\n")]  # a traceback keeps its lines
+        if len(lines) > 1:
+            click.echo(f"{key}:\n" + textwrap.indent("\n".join(lines), "  "))
         else:
-            click.echo(f"{key}: {text}")
+            click.echo(f"{key}: {lines[0]}")
 
 
 @dlq.command(cls=CeleryCommand)
@@ -610,9 +618,9 @@ def requeue(ctx: click.Context, task_id: str | None, every: bool) -> None:
 
     def report(requeued_id: str, error: DeadLetterError | None) -> None:
         if error is None:
-            click.echo(f"requeued {requeued_id}")
+            click.echo(inert(f"requeued {requeued_id}"))
         else:
-            kept.append(str(error))
+            kept.append(inert(str(error)))
 
     click.echo(f"requeued {letters.requeue_all(backend, report)} dead letters")
     if kept:
@@ -649,7 +657,7 @@ def _dlq_errors() -> Iterator[None]:
     try:
         yield
     except DeadLetterError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
 
 
 def _unknown(task_id: str) -> click.ClickException:

@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from celery_delayed import store_of
+from celery_delayed.inert import inert
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from tasks import create_app
 
 from .support import ROOT, envelopes, environment
 
@@ -78,3 +85,62 @@ def test_a_queues_rate_is_set_at_run_time_over_the_setting_and_reset_to_it(overr
     assert celery(overrides, "delayed", "rate", queue, "--reset").stdout.strip() == f"{queue}: at most 500 tasks/s"
     done = celery(overrides, "delayed", "rate", queue, "fast")
     assert done.returncode == 2 and "tasks a second, or off; got 'fast'" in done.stderr
+
+
+#: Values a scheduler wrote (ids, names, queues, reasons) that a terminal would act on if written raw:
+#: a title change, a screen clear, a hyperlink, a bell, a carriage return, a bidi override.
+HOSTILE_ID = "\x1b]0;pwned\x07\x1b[2J\x1b]8;;http://evil.example/\x1b\\click\x1b]8;;\x1b\\\r\u202e"
+HOSTILE_TASK = "[bold red]styled[/bold red]\x1b[2J"
+HOSTILE_QUEUE = "[link=http://evil.example/]mkq[/link]"
+HOSTILE_REASON = "boom\r\x1b]0;owned\x07[link=http://evil.example/]x[/link]"
+
+
+#: What rich itself writes to a terminal: colours and styles, and its progress line's cursor moves.
+RICH_OWN = re.compile(r"\r?\x1b\[(?:[0-9;]*[mAK]|\?25[lh])")
+
+
+def in_terminal(overrides: dict, *args: str) -> str:
+    """A celery command's output as a terminal gets it (stdout and stderr a pseudo-terminal, colours on)."""
+    leader, follower = pty.openpty()
+    env = {**environment(overrides), "TERM": "xterm-256color", "COLUMNS": "1000"}
+    env.pop("NO_COLOR", None)
+    process = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT, env=env,
+                               stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the command ended and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    process.wait(60)
+    return b"".join(chunks).decode().replace("\r\n", "\n")  # the terminal ends lines with CR LF
+
+
+def test_hostile_values_from_the_store_reach_the_terminal_as_text(overrides):
+    """No ESC, BEL, CR or bidi override a scheduler wrote reaches the operator's terminal, nor rich
+    markup it would act on: each shows escaped, as repr shows it (rich's own colours aside)."""
+    app = create_app(**overrides)
+    store = store_of(app)
+    store.schedule_many(envelopes(1, HOSTILE_QUEUE, int(time.time() * 1000) + 60_000, prefix=HOSTILE_ID,
+                                  task=HOSTILE_TASK))
+    store.pause(HOSTILE_QUEUE)
+    task_id = f"{HOSTILE_ID}-0"
+    DeadLetters(store).add(DeadLetter(task_id=task_id, reason=HOSTILE_REASON, source="worker",
+                                      traceback=f"Traceback:\n  {HOSTILE_REASON}"))
+    seen = {}
+    for command in (("upcoming",), ("show", task_id), ("status", "--tasks"), ("queues",), ("check",),
+                    ("dlq", "list"), ("dlq", "show", task_id)):
+        output = seen[command[:2]] = in_terminal(overrides, "delayed", *command)
+        data = RICH_OWN.sub("", output)
+        assert not set(data) & set("\x1b\x07\r\u202e"), (command, output)
+    shown_id, shown_task, shown_reason = inert(task_id), inert(HOSTILE_TASK), inert(HOSTILE_REASON)
+    assert shown_id in seen["upcoming",] and shown_task in seen["upcoming",]
+    assert shown_id in seen["show", task_id] and HOSTILE_QUEUE in seen["show", task_id]
+    assert HOSTILE_QUEUE in seen["status", "--tasks"] and shown_task in seen["status", "--tasks"]
+    assert HOSTILE_QUEUE in seen["queues",] and shown_task in seen["check",]
+    assert shown_reason in seen["dlq", "list"] and f"  {shown_reason}" in seen["dlq", "show"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import hmac
 import json
-import logging
 import secrets
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -27,11 +26,12 @@ import redis
 import tornado.web
 from tornado.ioloop import IOLoop
 
+from celery_delayed import inert
 from celery_delayed.ops.browse import Filter, parse_move, parse_when
 from celery_delayed.ops.web.views import Job, LetterFilter, Views
 from celery_delayed.store.outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 HERE = Path(__file__).parent
 #: Most rows a list page shows.
 MAX_ROWS = 500

@@ -7,7 +7,6 @@ newest.  Bulk actions run as :class:`Job` threads whose progress a page polls.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from celery_delayed import inert
 from celery_delayed import store_of
 from celery_delayed.ops import browse
 from celery_delayed.ops.browse import Filter
@@ -30,7 +30,7 @@ from celery_delayed.store.revoke import cancel_or_revoke
 if TYPE_CHECKING:
     from celery import Celery
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 MINUTE_MS, HOUR_MS = 60_000, 3_600_000
 #: The load histogram: per minute for the next hour, per hour for the next two days.
 NEAR_BINS, FAR_BINS = 60, 48

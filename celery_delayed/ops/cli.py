@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import ipaddress
 import json
 import logging
+import os
 import signal
 import textwrap
 import time
@@ -159,8 +161,8 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
         return
     table = Table("queue", "topic", "partitions", "workers reading", "lag")
     for topic in state.topics:
-        table.add_row(_cell(topic.queue), _cell(settings.topic(topic.queue)), str(topic.partitions), str(topic.consumers),
-                      str(topic.lag))
+        table.add_row(_cell(topic.queue), _cell(settings.topic(topic.queue)), str(topic.partitions),
+                      str(topic.consumers), str(topic.lag))
     console.print(table)
     if state.idle:
         err_console.print(f"[yellow]{state.idle} worker(s) of group {settings.consumer_group} read no partition: "
@@ -472,7 +474,8 @@ def queues(ctx: click.Context, as_json: bool) -> None:
     table = Table("queue", "overdue", "next due", "paused", "rate")
     for row in rows:
         since = row["paused_since_ms"]
-        table.add_row(_cell(row["queue"] or "(stored before lanes)"), str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
+        table.add_row(_cell(row["queue"] or "(stored before lanes)"), str(row["overdue"]),
+                      _due_in(row["next_due_ms"], now_ms),
                       "-" if since is None else f"since {_age((now_ms - since) / 1000)}",
                       "-" if row["rate"] is None else f"{row['rate']:g}/s")
     console.print(table)
@@ -511,20 +514,31 @@ def _overdue_age(seconds: float | None) -> str:
 @click.option("--basic-auth", envvar="CELERY_DELAYED_WEB_BASIC_AUTH", metavar="USER:PASSWORD",
               help="Require HTTP basic auth (better: set CELERY_DELAYED_WEB_BASIC_AUTH, not shown by ps).")
 @click.option("--token", envvar="CELERY_DELAYED_WEB_TOKEN",
-              help="Accept 'Authorization: Bearer TOKEN' (API clients; better: CELERY_DELAYED_WEB_TOKEN).")
+              help="Accept 'Authorization: Bearer TOKEN', 16 characters at least (API clients; better: "
+              "CELERY_DELAYED_WEB_TOKEN).")
 @click.option("--metrics", "metrics_urls", multiple=True, metavar="URL",
               help="A poller's Prometheus endpoint (repeatable), for the dispatch rate and lag.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Without credentials, a Host name besides 127.0.0.1/localhost to answer (repeatable).")
+@click.option("--insecure-serve-without-auth", "without_auth", is_flag=True,
+              help="Serve an --address beyond this machine without --basic-auth or --token: whoever reaches it "
+              "can cancel, reschedule and purge tasks.")
 @click.pass_context
 def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, token: str | None,
-        metrics_urls: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
+        metrics_urls: tuple[str, ...], allowed_hosts: tuple[str, ...], without_auth: bool) -> None:
     """Serve the web view of the schedule and the dead letters (and its JSON API under /api)."""
     import tornado.ioloop
 
     from celery_delayed.ops.web.server import make_app
     from celery_delayed.ops.web.views import Views
 
+    for name in ("CELERY_DELAYED_WEB_BASIC_AUTH", "CELERY_DELAYED_WEB_TOKEN"):
+        if os.environ.get(name) == "":  # click takes an empty variable for an unset one: no auth at all
+            raise click.ClickException(f"{name} is empty: set it to the credentials, or unset it")
+    beyond = not _loopback(address)
+    if beyond and not (basic_auth or token or without_auth):
+        raise click.ClickException(f"{address} is beyond this machine: give --basic-auth or --token (or, to let "
+                                   "whoever reaches it change tasks, --insecure-serve-without-auth)")
     _load(ctx, check=False)  # a store that is down answers 503 until it is back
     try:
         application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token,
@@ -532,11 +546,20 @@ def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, tok
     except ValueError as exc:
         raise click.ClickException(inert(str(exc))) from None
     application.listen(port, address)
-    auth = "basic auth" if basic_auth else "no auth"
-    click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth}{', token' if token else ''})")
-    if address not in ("127.0.0.1", "localhost", "::1") and not (basic_auth or token):
-        click.echo("warning: served beyond this machine without --basic-auth or --token", err=True)
+    auth = " and ".join(name for name, given in (("basic auth", basic_auth), ("token", token)) if given)
+    click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth or 'no auth'})")
+    if beyond and not auth:
+        click.echo("warning: served beyond this machine without credentials (--insecure-serve-without-auth)",
+                   err=True)
     tornado.ioloop.IOLoop.current().start()
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address or localhost) is this machine's loopback."""
+    try:
+        return address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 # -- dead-letter queue ---------------------------------------------------------

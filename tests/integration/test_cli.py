@@ -8,11 +8,17 @@ import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import tornado.ioloop
+import tornado.web
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 
 from celery_delayed import store_of
 from celery_delayed.inert import inert
+from celery_delayed.ops.cli import delayed
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters
@@ -144,3 +150,40 @@ def test_hostile_values_from_the_store_reach_the_terminal_as_text(overrides):
     assert HOSTILE_QUEUE in seen["status", "--tasks"] and shown_task in seen["status", "--tasks"]
     assert HOSTILE_QUEUE in seen["queues",] and shown_task in seen["check",]
     assert shown_reason in seen["dlq", "list"] and f"  {shown_reason}" in seen["dlq", "show"]
+
+
+def web_command(overrides: dict, monkeypatch, *args: str, **env: str) -> tuple[list[str], object]:
+    """``delayed web ARGS`` run in this process with nothing bound: the addresses it would listen on, and
+    its click result (output, exit code)."""
+    bound: list[str] = []
+    monkeypatch.setattr(tornado.web.Application, "listen", lambda self, port, address: bound.append(address))
+    monkeypatch.setattr(tornado.ioloop.IOLoop, "current", staticmethod(lambda: SimpleNamespace(start=lambda: None)))
+    result = CliRunner().invoke(delayed, ["web", *args], obj=CLIContext(create_app(**overrides), True, None),
+                                env=env)
+    return bound, result
+
+
+def test_an_empty_or_short_token_is_an_error_not_no_auth(overrides, monkeypatch):
+    for args, env, error in [(("--token", ""), {}, "--token must be at least 16 characters"),
+                             ((), {"CELERY_DELAYED_WEB_TOKEN": ""}, "CELERY_DELAYED_WEB_TOKEN is empty"),
+                             (("--token", "short"), {}, "--token must be at least 16 characters")]:
+        bound, result = web_command(overrides, monkeypatch, *args, **env)
+        assert (bound, result.exit_code) == ([], 1) and error in result.output, (args, env, result.output)
+    bound, result = web_command(overrides, monkeypatch, "--token", "a-token-long-enough")
+    assert bound == ["127.0.0.1"]
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.1:5566/ (token)"]
+    bound, result = web_command(overrides, monkeypatch, CELERY_DELAYED_WEB_BASIC_AUTH="ops:s3cret",
+                                CELERY_DELAYED_WEB_TOKEN="a-token-long-enough")
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.1:5566/ (basic auth and token)"]
+
+
+def test_serving_beyond_loopback_needs_credentials_or_the_flag_named_for_its_risk(overrides, monkeypatch):
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0")
+    assert (bound, result.exit_code) == ([], 1) and "0.0.0.0 is beyond this machine" in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0", "--insecure-serve-without-auth")
+    assert bound == ["0.0.0.0"] and "warning: served beyond this machine without credentials" in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0", "--token", "a-token-long-enough")
+    assert bound == ["0.0.0.0"] and "warning" not in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "127.0.0.2")
+    assert bound == ["127.0.0.2"]  # loopback, as 127.0.0.1
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.2:5566/ (no auth)"]

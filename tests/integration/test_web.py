@@ -336,7 +336,7 @@ def test_a_bulk_requeue_goes_past_letters_it_cannot_requeue_and_names_them(app, 
 
 
 def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(app):
-    server = Server(app, basic_auth="ops:s3cret", token="t0ken")
+    server = Server(app, basic_auth="ops:s3cret", token="t0ken-of-the-tests")
     try:
         anonymous = Client(server.url)
         status, _ = anonymous.request("/")
@@ -357,12 +357,21 @@ def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(a
         status, _ = operator.request("/api/tasks/keep-0/cancel", {})
         assert status == 200 and store_of(app).get("keep-0") is None
 
-        api = Client(server.url, {"Authorization": "Bearer t0ken"})
+        api = Client(server.url, {"Authorization": "Bearer t0ken-of-the-tests"})
         assert api.json("/api/overview")[0] == 200
+        assert Client(server.url, {"Authorization": "bearer t0ken-of-the-tests"}).request("/")[0] == 200  # RFC 7235
+        assert Client(server.url, {"Authorization": "BASIC " + basic["Authorization"][6:]}).request("/")[0] == 200
+        assert Client(server.url, {"Authorization": "Bearer t0ken"}).request("/")[0] == 401
         status, job = api.json("/api/bulk", {"action": "count"}, xsrf=False)  # a bearer token needs no XSRF
         assert status == 202
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("auth", [{"token": ""}, {"token": "short"}, {"basic_auth": "ops:"}, {"basic_auth": ""}])
+def test_empty_or_short_credentials_are_an_error_not_no_auth(app, auth):
+    with pytest.raises(ValueError, match="at least 16 characters|the password not empty"):
+        make_app(Views(app), **auth)
 
 
 def test_what_users_wrote_is_shown_escaped_and_odd_ids_get_clean_errors(app, server):

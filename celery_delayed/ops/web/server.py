@@ -35,6 +35,8 @@ logger = inert.logger(__name__)
 HERE = Path(__file__).parent
 #: Most rows a list page shows.
 MAX_ROWS = 500
+#: Fewest characters of a --token.
+MIN_TOKEN = 16
 
 
 class Problem(tornado.web.HTTPError):
@@ -63,14 +65,17 @@ class Base(tornado.web.RequestHandler):
     def api(self) -> bool:
         return self.request.path.startswith("/api/")
 
+    def _credentials(self, scheme: str) -> bytes:
+        """The Authorization header's credentials when its scheme is ``scheme`` (in any case, RFC 7235)."""
+        given, _, credentials = self.request.headers.get("Authorization", "").partition(" ")
+        return credentials.strip().encode() if given.lower() == scheme else b""
+
     def _by_token(self) -> bool:
-        given = self.request.headers.get("Authorization", "")
-        return bool(self._token) and hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
+        return bool(self._token) and hmac.compare_digest(self._credentials("bearer"), self._token.encode())
 
     def _by_password(self) -> bool:
-        given = self.request.headers.get("Authorization", "")
-        wanted = "Basic " + base64.b64encode(self._basic.encode()).decode() if self._basic else ""
-        return bool(self._basic) and hmac.compare_digest(given.encode(), wanted.encode())
+        return bool(self._basic) and hmac.compare_digest(self._credentials("basic"),
+                                                         base64.b64encode(self._basic.encode()))
 
     def _check_host_and_origin(self) -> None:
         """Without credentials, only a Host of this machine (DNS rebinding); a browser's POST only from
@@ -288,8 +293,10 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
              allowed_hosts: tuple[str, ...] = (), cookie_secret: str | None = None) -> tornado.web.Application:
     """The web view's routes; each page's path under ``/api`` answers the same as JSON.  Without
     credentials, requests must name this machine (or one of ``allowed_hosts``) as their Host."""
-    if basic_auth is not None and ":" not in basic_auth:
-        raise ValueError("--basic-auth must be user:password")
+    if basic_auth is not None and not basic_auth.partition(":")[2]:
+        raise ValueError("--basic-auth must be user:password, the password not empty")
+    if token is not None and len(token) < MIN_TOKEN:
+        raise ValueError(f"--token must be at least {MIN_TOKEN} characters (an empty one would let anyone in)")
     hosts = frozenset({"127.0.0.1", "localhost", "::1", *(_hostname(h) for h in allowed_hosts)})
     init = {"views": views, "basic_auth": basic_auth, "token": token, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition, libversion
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic, ResourceType
 
+from celery_delayed import inert
 from celery_delayed.settings import Settings
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Record headers the poller sets: when the task was due (ms; the store keeps no ``eta`` header,
 #: the worker restores it from this) and when the poller claimed it (ms, for per-hop timing).

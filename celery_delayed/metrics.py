@@ -7,7 +7,6 @@ on an app that imports celery_delayed shows these too.  Store-wide gauges
 from __future__ import annotations
 
 import bisect
-import logging
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -15,8 +14,9 @@ from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+from celery_delayed import inert
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 DEAD_LETTERED = Counter("celery_delayed_dead_lettered", "Messages moved to the dead-letter queue", ["source"])
 

@@ -15,7 +15,6 @@ as REVOKED (reason ``expired``) at once instead.
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -26,6 +25,7 @@ from kombu import Queue
 from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
+from celery_delayed import inert
 from celery_delayed.client.batch import Batch, batching
 from celery_delayed.envelope import (KEY_HEADER, KEY_MODES, KEY_MODE_HEADER, Envelope, attempt_of, deflate, executing,
     serialize)
@@ -38,7 +38,7 @@ from celery_delayed.store.revoke import cancel_scheduled, record_revoked
 #: Longest replace-by-key key (characters).
 MAX_KEY_LENGTH = 512
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 class DelayedPublishError(ValueError):

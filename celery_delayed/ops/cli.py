@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import ipaddress
 import json
 import logging
+import os
 import signal
 import textwrap
 import time
@@ -28,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_delayed import store_of
+from celery_delayed.inert import inert
 from celery_delayed.kafka import fleet, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
@@ -53,12 +56,13 @@ class _OneLineErrors(click.Group):
             return super().invoke(ctx)
         # the store down or refusing (full, read-only, an ACL), laid out otherwise; a bad setting or
         # argument (ValueError: ConfigurationError, DeadLetterError...); a task the store cannot change
+        # (each message inert: an id, a queue or a reason in it may hold what a scheduler wrote)
         except (StoreUnavailable, ValueError, TaskNotScheduled, TaskInFlight) as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(inert(str(exc))) from None
         except KafkaException as exc:
-            raise click.ClickException(f"Kafka: {exc}") from None
+            raise click.ClickException(inert(f"Kafka: {exc}")) from None
         except OperationalError as exc:  # kombu's, for the broker (a revoke of a task in flight)
-            raise click.ClickException(f"Celery's broker: {exc}") from None
+            raise click.ClickException(inert(f"Celery's broker: {exc}")) from None
 
 
 @click.group(name="delayed", cls=_OneLineErrors)
@@ -125,8 +129,9 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
     if paused:
-        console.print("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): " + ", ".join(
-            f"{queue} (since {_age((now_ms - since) / 1000)})" for queue, since in sorted(paused.items())))
+        console.print(_cell("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): "
+                            + ", ".join(f"{queue} (since {_age((now_ms - since) / 1000)})"
+                                        for queue, since in sorted(paused.items()))))
     if names is not None:
         console.print(_task_table(names, now_ms))
 
@@ -140,7 +145,7 @@ def _task_names(ctx: click.Context, elsewhere: tuple[str, ...] = ()) -> list[dic
 def _task_table(names: list[dict], now_ms: int) -> Table:
     table = Table("task", "scheduled", "next due", "registered")
     for row in names:
-        table.add_row(row["task"], f"{row['count']:,}", f"{iso_of(row['next_due_ms'])} "
+        table.add_row(_cell(row["task"]), f"{row['count']:,}", f"{iso_of(row['next_due_ms'])} "
                       f"({_due_in(row['next_due_ms'], now_ms)})", "yes" if row["registered"] else "NO",
                       style=None if row["registered"] else "bold red")
     return table
@@ -166,8 +171,8 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
         return
     table = Table("queue", "topic", "partitions", "workers reading", "lag")
     for topic in state.topics:
-        table.add_row(topic.queue, settings.topic(topic.queue), str(topic.partitions), str(topic.consumers),
-                      str(topic.lag))
+        table.add_row(_cell(topic.queue), _cell(settings.topic(topic.queue)), str(topic.partitions),
+                      str(topic.consumers), str(topic.lag))
     console.print(table)
     if state.idle:
         err_console.print(f"[yellow]{state.idle} worker(s) of group {settings.consumer_group} read no partition: "
@@ -208,7 +213,7 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
         if key == "eta" and value is not None:
             value = f"{value} ({_due_in(info['due_ms'], now_ms)})"
         shown = json.dumps(value, indent=2) if isinstance(value, dict) else str(value)
-        table.add_row(Text(key, style="bold"), Text(shown))  # Text: never read as rich markup
+        table.add_row(Text(key, style="bold"), _cell(shown))
     console.print(table)
 
 
@@ -289,8 +294,8 @@ def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bo
     if outcome is Change.UNKNOWN:
         raise click.ClickException(f"no scheduled task with id {task_id} (never scheduled, already dispatched, "
                                    "or cancelled)")
-    click.echo(f"cancelled {task_id}" if outcome is Change.DONE
-               else f"{task_id} is being dispatched: revoke sent to the workers")
+    click.echo(inert(f"cancelled {task_id}" if outcome is Change.DONE
+                     else f"{task_id} is being dispatched: revoke sent to the workers"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -319,7 +324,7 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
             store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
     task_id = _task_id_of(store, task_id, key)
     due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
-    click.echo(f"{task_id} now due {iso_of(due_ms)}")
+    click.echo(inert(f"{task_id} now due {iso_of(due_ms)}"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -344,7 +349,7 @@ def check(ctx: click.Context, as_json: bool, ignore: tuple[str, ...]) -> None:
         console.print(_task_table(names, store.now_ms()))
     if unknown := [row for row in names if not row["registered"]]:
         raise click.ClickException(f"{len(unknown)} scheduled task name(s) this app does not register: "
-                                   + ", ".join(f"{row['task']} ({row['count']:,} scheduled, next due "
+                                   + ", ".join(f"{inert(row['task'])} ({row['count']:,} scheduled, next due "
                                                f"{iso_of(row['next_due_ms'])})" for row in unknown)
                                    + "; register them again (an alias task of the old name) or cancel them "
                                    "(delayed cancel --task NAME); a name another service's workers run: --ignore NAME")
@@ -424,10 +429,10 @@ def upcoming(ctx: click.Context, limit: int, after: str | None, as_json: bool) -
         click.echo(json.dumps({"items": page.items, "cursor": page.cursor}))
         return
     for item in page.items:  # one line per task, whole ids: easy to copy and to grep
-        click.echo(f"{item['eta']}  {_due_in(item['due_ms'], now_ms):>9}  {item['task_id']}  {item['task']}  "
-                   f"queue={item['queue']} partition={item['partition']}")
+        click.echo(inert(f"{item['eta']}  {_due_in(item['due_ms'], now_ms):>9}  {item['task_id']}  {item['task']}  "
+                         f"queue={item['queue']} partition={item['partition']}"))
     if page.cursor:
-        click.echo(f"next page: --after {page.cursor}")
+        click.echo(inert(f"next page: --after {page.cursor}"))
 
 
 @delayed.command(cls=CeleryCommand)
@@ -485,7 +490,8 @@ def queues(ctx: click.Context, as_json: bool) -> None:
     table = Table("queue", "overdue", "next due", "paused", "rate")
     for row in rows:
         since = row["paused_since_ms"]
-        table.add_row(row["queue"] or "(stored before lanes)", str(row["overdue"]), _due_in(row["next_due_ms"], now_ms),
+        table.add_row(_cell(row["queue"] or "(stored before lanes)"), str(row["overdue"]),
+                      _due_in(row["next_due_ms"], now_ms),
                       "-" if since is None else f"since {_age((now_ms - since) / 1000)}",
                       "-" if row["rate"] is None else f"{row['rate']:g}/s")
     console.print(table)
@@ -498,6 +504,11 @@ def _listening(address: str, port: int) -> Iterator[None]:
         yield
     except OSError as exc:
         raise click.ClickException(f"cannot serve on {address}:{port}: {exc.strerror or exc}") from None
+
+
+def _cell(value: object) -> Text:
+    """A value from the store for rich: inert, and a Text, never read as rich markup."""
+    return Text(inert(str(value)))
 
 
 def _due_in(due_ms: int | None, now_ms: int) -> str:
@@ -519,33 +530,53 @@ def _overdue_age(seconds: float | None) -> str:
 @click.option("--basic-auth", envvar="CELERY_DELAYED_WEB_BASIC_AUTH", metavar="USER:PASSWORD",
               help="Require HTTP basic auth (better: set CELERY_DELAYED_WEB_BASIC_AUTH, not shown by ps).")
 @click.option("--token", envvar="CELERY_DELAYED_WEB_TOKEN",
-              help="Accept 'Authorization: Bearer TOKEN' (API clients; better: CELERY_DELAYED_WEB_TOKEN).")
+              help="Accept 'Authorization: Bearer TOKEN', 16 characters at least (API clients; better: "
+              "CELERY_DELAYED_WEB_TOKEN).")
 @click.option("--metrics", "metrics_urls", multiple=True, metavar="URL",
               help="A poller's Prometheus endpoint (repeatable), for the dispatch rate and lag.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Without credentials, a Host name besides 127.0.0.1/localhost to answer (repeatable).")
+@click.option("--insecure-serve-without-auth", "without_auth", is_flag=True,
+              help="Serve an --address beyond this machine without --basic-auth or --token: whoever reaches it "
+              "can cancel, reschedule and purge tasks.")
 @click.pass_context
 def web(ctx: click.Context, port: int, address: str, basic_auth: str | None, token: str | None,
-        metrics_urls: tuple[str, ...], allowed_hosts: tuple[str, ...]) -> None:
+        metrics_urls: tuple[str, ...], allowed_hosts: tuple[str, ...], without_auth: bool) -> None:
     """Serve the web view of the schedule and the dead letters (and its JSON API under /api)."""
     import tornado.ioloop
 
     from celery_delayed.ops.web.server import make_app
     from celery_delayed.ops.web.views import Views
 
+    for name in ("CELERY_DELAYED_WEB_BASIC_AUTH", "CELERY_DELAYED_WEB_TOKEN"):
+        if os.environ.get(name) == "":  # click takes an empty variable for an unset one: no auth at all
+            raise click.ClickException(f"{name} is empty: set it to the credentials, or unset it")
+    beyond = not _loopback(address)
+    if beyond and not (basic_auth or token or without_auth):
+        raise click.ClickException(f"{address} is beyond this machine: give --basic-auth or --token (or, to let "
+                                   "whoever reaches it change tasks, --insecure-serve-without-auth)")
     _load(ctx, check=False)  # a store that is down answers 503 until it is back
     try:
         application = make_app(Views(ctx.obj.app, metrics_urls), basic_auth=basic_auth, token=token,
                                allowed_hosts=(*allowed_hosts, address))
     except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(inert(str(exc))) from None
     with _listening(address, port):
         application.listen(port, address)
-    auth = "basic auth" if basic_auth else "no auth"
-    click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth}{', token' if token else ''})")
-    if address not in ("127.0.0.1", "localhost", "::1") and not (basic_auth or token):
-        click.echo("warning: served beyond this machine without --basic-auth or --token", err=True)
+    auth = " and ".join(name for name, given in (("basic auth", basic_auth), ("token", token)) if given)
+    click.echo(f"celery-delayed web on http://{address}:{port}/ ({auth or 'no auth'})")
+    if beyond and not auth:
+        click.echo("warning: served beyond this machine without credentials (--insecure-serve-without-auth)",
+                   err=True)
     tornado.ioloop.IOLoop.current().start()
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address or localhost) is this machine's loopback."""
+    try:
+        return address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 # -- dead-letter queue ---------------------------------------------------------
@@ -573,8 +604,8 @@ def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
     table = Table("task id", "task", "source", "reason", "attempts", "age",
                   title=f"{len(rows)} of {letters.count()} dead letters")
     now = time.time()
-    for row in rows:  # Text: reasons are shown as written, never read as rich markup
-        table.add_row(*(Text(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
+    for row in rows:
+        table.add_row(*(_cell(v) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
                                                row["attempts"], _age(now - row["timestamp"]))))
     console.print(table)
 
@@ -596,10 +627,11 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
                          f" ({_age(time.time() - info['timestamp'])} ago)")
     for key, value in info.items():
         text = json.dumps(value, indent=2) if isinstance(value, dict) else str(value)
-        if "\n" in text:
-            click.echo(f"{key}:\n{textwrap.indent(text.rstrip(), '  ')}")
+        lines = [inert(line) for line in text.rstrip().split("\n")]  # a traceback keeps its lines
+        if len(lines) > 1:
+            click.echo(f"{key}:\n" + textwrap.indent("\n".join(lines), "  "))
         else:
-            click.echo(f"{key}: {text}")
+            click.echo(f"{key}: {lines[0]}")
 
 
 @dlq.command(cls=CeleryCommand)
@@ -623,9 +655,9 @@ def requeue(ctx: click.Context, task_id: str | None, every: bool) -> None:
 
     def report(requeued_id: str, error: DeadLetterError | None) -> None:
         if error is None:
-            click.echo(f"requeued {requeued_id}")
+            click.echo(inert(f"requeued {requeued_id}"))
         else:
-            kept.append(str(error))
+            kept.append(inert(str(error)))
 
     click.echo(f"requeued {letters.requeue_all(backend, report)} dead letters")
     if kept:

@@ -11,7 +11,6 @@ fatally is replaced, what it held returning to due.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +18,7 @@ from typing import Any, Callable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from celery_delayed import inert
 from celery_delayed import metrics
 from celery_delayed.envelope import queue_of
 from celery_delayed.kafka import Verdict, classify, ensure_topics, make_producer
@@ -27,7 +27,7 @@ from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters, ResultBackend
 from celery_delayed.store.outcomes import STORE_ERRORS
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Longest wait for a fatally failed producer's last delivery reports (s).
 REPLACE_TIMEOUT = 5.0

@@ -22,7 +22,6 @@ of the same epoch and an older revision, and stays refused.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import socket
@@ -35,11 +34,12 @@ from urllib.parse import urlsplit
 import pyetcd
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
+from celery_delayed import inert
 from celery_delayed.settings import Settings
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import partition_of
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: A fencing token is ``epoch * EPOCH_SCALE + revision``: one integer, ordered by
 #: (epoch, revision), that the claim script compares as it always did (a token of

@@ -13,7 +13,6 @@ after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter, deque
@@ -22,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from confluent_kafka import Producer
 
+from celery_delayed import inert
 from celery_delayed import metrics
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
 from celery_delayed.poller.delivery import Delivery
@@ -32,7 +32,7 @@ from celery_delayed.store.dlq import ResultBackend
 from celery_delayed.store.durability import preflight
 from celery_delayed.store.outcomes import STORE_ERRORS, Fenced
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: "Nothing scheduled" as a due time.
 NEVER = float("inf")

@@ -20,7 +20,6 @@ store's reads are in :mod:`.inspection`; its start-up checks in :mod:`.durabilit
 """
 from __future__ import annotations
 
-import logging
 import math
 import uuid
 from collections import Counter, deque
@@ -31,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sized
 
 import redis
 
+from celery_delayed import inert
 from celery_delayed.settings import RATE, ConfigurationError, Settings, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
@@ -41,7 +41,7 @@ from celery_delayed.store.outcomes import (STORE_ERRORS, Change, Fenced, LayoutM
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute, refusal
 from celery_delayed.store.scripts import Scripts
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
 #: when due times are spread out), so a call stalls other clients ~2 ms at most

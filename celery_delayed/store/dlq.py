@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Iterator, Protocol
 
+from celery_delayed import inert
 from celery_delayed.envelope import Envelope, EnvelopeError, attempt_of
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.records import forget_run_records
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Records read and requeued per round trip by :meth:`DeadLetters.requeue_all`.
 REQUEUE_CHUNK = 500

@@ -11,15 +11,15 @@ poller and the workers (the writes that wait for replicas or the AOF are the sto
 """
 from __future__ import annotations
 
-import logging
 
 import redis
 
+from celery_delayed import inert
 from celery_delayed.settings import ConfigurationError
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import STORE_ERRORS
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 def preflight(store: DelayedStore, role: str) -> None:

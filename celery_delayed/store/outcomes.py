@@ -6,7 +6,6 @@ and ``lua/schedule.lua``, turned into errors in one place (:meth:`Change.check`)
 """
 from __future__ import annotations
 
-import logging
 from enum import Enum, IntEnum
 from typing import Any, Callable, Mapping
 
@@ -14,10 +13,11 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from kombu.utils.functional import retry_over_time
 
+from celery_delayed import inert
 from celery_delayed.settings import ConfigurationError
 from celery_delayed.store.redis_client import UNREACHABLE
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 class StoreUnavailable(RuntimeError):

@@ -14,7 +14,6 @@ it may.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from billiard.common import TERM_SIGNAME
@@ -24,11 +23,12 @@ from celery.app.task import Context
 from celery.utils.functional import maybe_list
 from kombu.serialization import prepare_accept_content
 
+from celery_delayed import inert
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.store.outcomes import Change
 from celery_delayed.store.records import remember_revoked
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 class DelayedControl(Control):

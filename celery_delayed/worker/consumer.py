@@ -14,7 +14,6 @@ settled prefix of each partition is committed (see :mod:`.offsets`).
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import traceback
@@ -29,6 +28,7 @@ from celery.platforms import EX_FAILURE
 from celery.worker import state as worker_state
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from celery_delayed import inert
 from celery_delayed.envelope import Envelope, attempt_of
 from celery_delayed.kafka import consumer_config, ensure_topics
 from celery_delayed.settings import ConfigurationError, Settings
@@ -40,7 +40,7 @@ from celery_delayed.worker.drained import guard_drained
 from celery_delayed.worker.once import ADMISSION_RETRY, Admit, Copy, RunClaims, admit
 from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Longest a poll of Kafka waits for a record (s), and, in a green worker, the sleep between two
 #: polls that found none: at most that much more lateness, a poll every 5 ms while idle.

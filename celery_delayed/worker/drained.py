@@ -11,17 +11,17 @@ straight to Celery: one dict lookup more.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 from kombu.message import Message
 
+from celery_delayed import inert
 from celery_delayed.envelope import Envelope, attempt_of
 from celery_delayed.store.revoke import record_revoked
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, replace_key
 from celery_delayed.worker.once import ADMISSION_RETRY, DRAINED, FROM_KAFKA, Admit, Copy, RunClaims, admit
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 def guard_drained(c: Any, claims: RunClaims) -> None:

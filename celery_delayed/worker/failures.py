@@ -14,18 +14,18 @@ task's message as Celery would publish it, with the same task id, so
 """
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from typing import Any
 
 from celery import Celery, Task, signals
 
+from celery_delayed import inert
 from celery_delayed.envelope import Envelope, executing, serialize
 from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of
 from celery_delayed.store.outcomes import write_retrying
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: Steps of Celery's tracer (celery.app.trace) that run only once a task's body returned or retried.
 AFTER_BODY = ("mark_as_done", "_dispatch_callbacks_and_chain", "handle_retry")

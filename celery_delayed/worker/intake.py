@@ -10,7 +10,6 @@ releases its run claim; a requeue goes back through the store.
 from __future__ import annotations
 
 import enum
-import logging
 import reprlib
 import time
 import traceback
@@ -24,6 +23,7 @@ from kombu.exceptions import OperationalError
 from kombu.message import Message
 from kombu.serialization import prepare_accept_content
 
+from celery_delayed import inert
 from celery_delayed import metrics
 from celery_delayed.envelope import KEY_HEADER, KEY_MODE_HEADER, Envelope, attempt_of
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
@@ -36,7 +36,7 @@ from celery_delayed.worker.failures import parking
 from celery_delayed.worker.offsets import OffsetTracker, PartitionOffsets
 from celery_delayed.worker.once import FROM_KAFKA, Admit, RunClaims, Verdict
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 #: What a hand-over to Celery may raise that is not the message's fault: the record is tried again.
 #: Anything else Celery's strategy raises is about the message itself, which can never run.

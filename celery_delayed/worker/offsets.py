@@ -6,11 +6,11 @@ further could skip a task still running if the worker died now.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
+from celery_delayed import inert
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 class PartitionOffsets:

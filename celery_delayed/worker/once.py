@@ -17,7 +17,6 @@ claim would expire, so it is never dropped.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import threading
 import time
@@ -29,12 +28,13 @@ from typing import Any, Callable, Sequence
 from celery import Celery, Task, signals, states
 from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend
 
+from celery_delayed import inert
 from celery_delayed.envelope import KEY_HEADER, attempt_of
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import STORE_ERRORS
 from celery_delayed.store.redis_client import execute
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 
 
 class Refused(IntEnum):

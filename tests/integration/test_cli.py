@@ -2,14 +2,27 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import tornado.ioloop
+import tornado.web
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 
+from celery_delayed import store_of
+from celery_delayed.inert import inert
+from celery_delayed.ops.cli import delayed
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.dlq import DeadLetter, DeadLetters
+from tasks import create_app
 
 from .support import ROOT, envelopes, environment
 
@@ -78,3 +91,99 @@ def test_a_queues_rate_is_set_at_run_time_over_the_setting_and_reset_to_it(overr
     assert celery(overrides, "delayed", "rate", queue, "--reset").stdout.strip() == f"{queue}: at most 500 tasks/s"
     done = celery(overrides, "delayed", "rate", queue, "fast")
     assert done.returncode == 2 and "tasks a second, or off; got 'fast'" in done.stderr
+
+
+#: Values a scheduler wrote (ids, names, queues, reasons) that a terminal would act on if written raw:
+#: a title change, a screen clear, a hyperlink, a bell, a carriage return, a bidi override.
+HOSTILE_ID = "\x1b]0;pwned\x07\x1b[2J\x1b]8;;http://evil.example/\x1b\\click\x1b]8;;\x1b\\\r\u202e"
+HOSTILE_TASK = "[bold red]styled[/bold red]\x1b[2J"
+HOSTILE_QUEUE = "[link=http://evil.example/]mkq[/link]"
+HOSTILE_REASON = "boom\r\x1b]0;owned\x07[link=http://evil.example/]x[/link]"
+
+
+#: What rich itself writes to a terminal: colours and styles, and its progress line's cursor moves.
+RICH_OWN = re.compile(r"\r?\x1b\[(?:[0-9;]*[mAK]|\?25[lh])")
+
+
+def in_terminal(overrides: dict, *args: str) -> str:
+    """A celery command's output as a terminal gets it (stdout and stderr a pseudo-terminal, colours on)."""
+    leader, follower = pty.openpty()
+    env = {**environment(overrides), "TERM": "xterm-256color", "COLUMNS": "1000"}
+    env.pop("NO_COLOR", None)
+    process = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", *args], cwd=ROOT, env=env,
+                               stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the command ended and closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    process.wait(60)
+    return b"".join(chunks).decode().replace("\r\n", "\n")  # the terminal ends lines with CR LF
+
+
+def test_hostile_values_from_the_store_reach_the_terminal_as_text(overrides):
+    """No ESC, BEL, CR or bidi override a scheduler wrote reaches the operator's terminal, nor rich
+    markup it would act on: each shows escaped, as repr shows it (rich's own colours aside)."""
+    app = create_app(**overrides)
+    store = store_of(app)
+    store.schedule_many(envelopes(1, HOSTILE_QUEUE, int(time.time() * 1000) + 60_000, prefix=HOSTILE_ID,
+                                  task=HOSTILE_TASK))
+    store.pause(HOSTILE_QUEUE)
+    task_id = f"{HOSTILE_ID}-0"
+    DeadLetters(store).add(DeadLetter(task_id=task_id, reason=HOSTILE_REASON, source="worker",
+                                      traceback=f"Traceback:\n  {HOSTILE_REASON}"))
+    seen = {}
+    for command in (("upcoming",), ("show", task_id), ("status", "--tasks"), ("queues",), ("check",),
+                    ("dlq", "list"), ("dlq", "show", task_id)):
+        output = seen[command[:2]] = in_terminal(overrides, "delayed", *command)
+        data = RICH_OWN.sub("", output)
+        assert not set(data) & set("\x1b\x07\r\u202e"), (command, output)
+    shown_id, shown_task, shown_reason = inert(task_id), inert(HOSTILE_TASK), inert(HOSTILE_REASON)
+    assert shown_id in seen["upcoming",] and shown_task in seen["upcoming",]
+    assert shown_id in seen["show", task_id] and HOSTILE_QUEUE in seen["show", task_id]
+    assert HOSTILE_QUEUE in seen["status", "--tasks"] and shown_task in seen["status", "--tasks"]
+    assert HOSTILE_QUEUE in seen["queues",] and shown_task in seen["check",]
+    assert shown_reason in seen["dlq", "list"] and f"  {shown_reason}" in seen["dlq", "show"]
+
+
+def web_command(overrides: dict, monkeypatch, *args: str, **env: str) -> tuple[list[str], object]:
+    """``delayed web ARGS`` run in this process with nothing bound: the addresses it would listen on, and
+    its click result (output, exit code)."""
+    bound: list[str] = []
+    monkeypatch.setattr(tornado.web.Application, "listen", lambda self, port, address: bound.append(address))
+    monkeypatch.setattr(tornado.ioloop.IOLoop, "current", staticmethod(lambda: SimpleNamespace(start=lambda: None)))
+    result = CliRunner().invoke(delayed, ["web", *args], obj=CLIContext(create_app(**overrides), True, None),
+                                env=env)
+    return bound, result
+
+
+def test_an_empty_or_short_token_is_an_error_not_no_auth(overrides, monkeypatch):
+    for args, env, error in [(("--token", ""), {}, "--token must be at least 16 characters"),
+                             ((), {"CELERY_DELAYED_WEB_TOKEN": ""}, "CELERY_DELAYED_WEB_TOKEN is empty"),
+                             (("--token", "short"), {}, "--token must be at least 16 characters")]:
+        bound, result = web_command(overrides, monkeypatch, *args, **env)
+        assert (bound, result.exit_code) == ([], 1) and error in result.output, (args, env, result.output)
+    bound, result = web_command(overrides, monkeypatch, "--token", "a-token-long-enough")
+    assert bound == ["127.0.0.1"]
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.1:5566/ (token)"]
+    bound, result = web_command(overrides, monkeypatch, CELERY_DELAYED_WEB_BASIC_AUTH="ops:s3cret",
+                                CELERY_DELAYED_WEB_TOKEN="a-token-long-enough")
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.1:5566/ (basic auth and token)"]
+
+
+def test_serving_beyond_loopback_needs_credentials_or_the_flag_named_for_its_risk(overrides, monkeypatch):
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0")
+    assert (bound, result.exit_code) == ([], 1) and "0.0.0.0 is beyond this machine" in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0", "--insecure-serve-without-auth")
+    assert bound == ["0.0.0.0"] and "warning: served beyond this machine without credentials" in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "0.0.0.0", "--token", "a-token-long-enough")
+    assert bound == ["0.0.0.0"] and "warning" not in result.output
+    bound, result = web_command(overrides, monkeypatch, "--address", "127.0.0.2")
+    assert bound == ["127.0.0.2"]  # loopback, as 127.0.0.1
+    assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.2:5566/ (no auth)"]

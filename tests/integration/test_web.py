@@ -10,6 +10,7 @@ import asyncio
 import base64
 import http.cookiejar
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -24,7 +25,8 @@ from celery import states
 
 from celery_delayed import store_of
 from celery_delayed.ops.web.server import make_app
-from celery_delayed.ops.web.views import Views
+from celery_delayed.ops.browse import Filter
+from celery_delayed.ops.web.views import JobRunning, LetterFilter, Views
 from celery_delayed.store.dlq import DeadLetter, DeadLetters
 from tasks import create_app
 from tasks.processes import free_port, wait_for
@@ -303,6 +305,8 @@ def test_dead_letters_list_show_requeue_and_purge(app, server):
     assert status == 200 and done == {"requeued": 1, "unknown": 0, "kept": 0, "kept_letters": []}
     assert store_of(app).get("dead-0") is not None and not letters.holds("dead-0")
     status, error = client.json("/api/bulk/dead-letters/purge", {"reason": "boom"})
+    assert status == 400 and "needs confirm=<how many match>" in error["error"]
+    status, error = client.json("/api/bulk/dead-letters/purge", {"reason": "boom", "confirm": "0"})
     assert status == 400 and "needs confirm=2" in error["error"]
     status, job = client.json("/api/bulk/dead-letters/purge", {"reason": "boom", "confirm": "2"})
     assert status == 202 and _finished(client, job["id"])["result"] == {"purged": 2, "unknown": 0}
@@ -336,7 +340,7 @@ def test_a_bulk_requeue_goes_past_letters_it_cannot_requeue_and_names_them(app, 
 
 
 def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(app):
-    server = Server(app, basic_auth="ops:s3cret", token="t0ken")
+    server = Server(app, basic_auth="ops:s3cret", token="t0ken-of-the-tests")
     try:
         anonymous = Client(server.url)
         status, _ = anonymous.request("/")
@@ -357,12 +361,21 @@ def test_credentials_are_required_and_a_form_without_the_xsrf_token_is_refused(a
         status, _ = operator.request("/api/tasks/keep-0/cancel", {})
         assert status == 200 and store_of(app).get("keep-0") is None
 
-        api = Client(server.url, {"Authorization": "Bearer t0ken"})
+        api = Client(server.url, {"Authorization": "Bearer t0ken-of-the-tests"})
         assert api.json("/api/overview")[0] == 200
+        assert Client(server.url, {"Authorization": "bearer t0ken-of-the-tests"}).request("/")[0] == 200  # RFC 7235
+        assert Client(server.url, {"Authorization": "BASIC " + basic["Authorization"][6:]}).request("/")[0] == 200
+        assert Client(server.url, {"Authorization": "Bearer t0ken"}).request("/")[0] == 401
         status, job = api.json("/api/bulk", {"action": "count"}, xsrf=False)  # a bearer token needs no XSRF
         assert status == 202
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("auth", [{"token": ""}, {"token": "short"}, {"basic_auth": "ops:"}, {"basic_auth": ""}])
+def test_empty_or_short_credentials_are_an_error_not_no_auth(app, auth):
+    with pytest.raises(ValueError, match="at least 16 characters|the password not empty"):
+        make_app(Views(app), **auth)
 
 
 def test_what_users_wrote_is_shown_escaped_and_odd_ids_get_clean_errors(app, server):
@@ -381,6 +394,64 @@ def test_what_users_wrote_is_shown_escaped_and_odd_ids_get_clean_errors(app, ser
     status, error = client.json("/api/upcoming?after=garbage")
     assert status == 400 and "not a cursor" in error["error"]
     assert client.json("/api/upcoming?limit=100000")[0] == 200  # capped, not refused
+    for path in ("/upcoming?done=%ff", "/upcoming?zzz=%ff&limit=2", "/api/upcoming?zzz=%ff"):  # bad bytes
+        status, page = client.request(path)
+        assert status == 400 and "Invalid unicode" in page, (path, status, page)
+    assert client.request("/static/app.css%00x")[0] == 400
+    status, page = client.request("/upcoming?done=Your+session+expired%3A+call+%2B1-555-0100")  # a link's own text
+    assert status == 200 and "555-0100" not in page and 'id="done"' not in page
+    status, page = client.request("/tasks/%3Cscript%3Ealert(1)%3C%2Fscript%3E-0/cancel", {})  # the server's own
+    assert status == 200 and '<p class="ok" id="done">cancelled &lt;script&gt;alert(1)&lt;/script&gt;-0</p>' in page
+    for path in ("/upcoming", "/api/upcoming", "/static/app.css", "/no/such/page", "/api/no/such"):
+        try:
+            reply = urllib.request.urlopen(server.url + path)
+        except urllib.error.HTTPError as exc:
+            reply = exc
+        assert reply.headers["X-Content-Type-Options"] == "nosniff" and reply.headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in reply.headers["Content-Security-Policy"], path
+        assert path.startswith("/static/") or reply.headers["Cache-Control"] == "no-store", path
+    assert client.json("/api/no/such") == (404, {"error": "no page /api/no/such", "status": 404})
+
+
+def test_no_body_is_read_before_its_request_authenticates_and_none_beyond_what_forms_need(app):
+    """Without credentials in its headers a POST is answered at once, its body unread; with them, a body
+    larger than any form is refused at its headers too."""
+    server = Server(app, token="t0ken-of-the-tests")
+    try:
+        for headers, length in (("", 50_000_000), ("Authorization: Bearer t0ken-of-the-tests\r\n", 1_000_000)):
+            with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=60) as conn:
+                conn.sendall(f"POST /api/bulk HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Content-Length: {length}\r\n"
+                             "Content-Type: application/x-www-form-urlencoded\r\n\r\naction=count&".encode())
+                reply = conn.recv(1000)  # without a cap, the server would wait for the rest of the body
+                assert reply.startswith(b"HTTP/1.1 400 "), (headers, reply)
+                assert conn.recv(1000) == b""  # and closed the connection
+        api = Client(server.url, {"Authorization": "Bearer t0ken-of-the-tests"})
+        assert api.json("/api/bulk", {"action": "count", "task": "x" * 10_000}, xsrf=False)[0] == 202
+    finally:
+        server.stop()
+
+
+def test_one_bulk_job_of_each_kind_at_a_time_and_a_dead_letter_bulk_checks_confirm_first(app, server,
+                                                                                         monkeypatch):
+    store_of(app).schedule_many(envelopes(3, "q", int(time.time() * 1000) + MINUTE))
+    client = Client(server.url)
+    release = threading.Event()
+    views = Views(app)
+    first = views.jobs.start("count", Filter(), lambda progress: {"matched": release.wait(60) and 0})
+    try:
+        with pytest.raises(JobRunning, match=first.id):
+            views.bulk("count", Filter())
+        assert views.jobs.start("purge", LetterFilter(), lambda progress: {}).action == "purge"  # another kind
+    finally:
+        release.set()
+    walked = []
+    monkeypatch.setattr(views.letters, "matching", lambda *args: walked.append(args) or [])
+    for confirm in (None, "", "all"):
+        with pytest.raises(ValueError, match="needs confirm=<how many match>"):
+            views.letters_bulk("purge", LetterFilter(), confirm)
+    assert walked == []  # refused before reading a letter
+    status, job = client.json("/api/bulk", {"action": "count"})
+    assert status == 202 and _finished(client, job["id"])["result"] == {"matched": 3}
 
 
 def test_a_page_elsewhere_cannot_reach_it_by_another_host_name_frame_it_or_post_to_it(app, server):

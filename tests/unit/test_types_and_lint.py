@@ -13,7 +13,7 @@ pytest.importorskip("mypy", reason="mypy is a dev tool: scripts/test has it, tes
 
 #: The modules held clean (paths under celery_delayed/).
 CHECKED = [
-    "__init__.py", "backend.py", "metrics.py",
+    "__init__.py", "backend.py", "inert.py", "metrics.py",
     "client/__init__.py", "client/batch.py",
     "store/__init__.py", "store/keys.py", "store/layout.py", "store/records.py", "store/revoke.py",
     "store/scripts.py",

@@ -7,15 +7,15 @@ elsewhere cannot reach it by DNS rebinding); with ``--basic-auth`` or
 ``--token`` every request must authenticate; every change is a POST, which a
 browser must send from one of these pages (same Origin) with the page's XSRF
 token (a request authenticated by a bearer token is not sent by a browser on
-its own, so the API takes it without one); no page may be framed.  Store calls
-run in a thread pool, never on the loop.
+its own, so the API takes it without one); no page may be framed; a body is
+read only once the headers authenticate, and no larger than a form's.  Store
+calls run in a thread pool, never on the loop.
 """
 from __future__ import annotations
 
 import base64
 import hmac
 import json
-import logging
 import secrets
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -25,16 +25,24 @@ from typing import Any, Callable
 
 import redis
 import tornado.web
+from tornado import httputil
 from tornado.ioloop import IOLoop
 
+from celery_delayed import inert
 from celery_delayed.ops.browse import Filter, parse_move, parse_when
-from celery_delayed.ops.web.views import Job, LetterFilter, Views
+from celery_delayed.ops.web.views import Job, JobRunning, LetterFilter, Views
 from celery_delayed.store.outcomes import StoreUnavailable, TaskInFlight, TaskNotScheduled
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 HERE = Path(__file__).parent
 #: Most rows a list page shows.
 MAX_ROWS = 500
+#: Fewest characters of a --token.
+MIN_TOKEN = 16
+#: Largest request body read (the forms send a few short fields), and how long it may take to arrive.
+MAX_BODY, BODY_TIMEOUT = 64 * 1024, 10.0
+#: Days a message the server put in a link (``/upcoming?done=...``) stays shown.
+DONE_DAYS = 1
 
 
 class Problem(tornado.web.HTTPError):
@@ -45,37 +53,69 @@ class Problem(tornado.web.HTTPError):
         self.message = message
 
 
-class Base(tornado.web.RequestHandler):
-    """Authentication, XSRF, errors, and one answer as a page or as JSON under ``/api``."""
+class Credentials:
+    """The credentials a request must carry (none: any request passes), checked on its headers alone."""
 
-    views: Views
+    def __init__(self, basic_auth: str | None, token: str | None) -> None:
+        self.basic, self.token = basic_auth, token
 
-    def initialize(self, views: Views, basic_auth: str | None, token: str | None, hosts: frozenset[str]) -> None:
-        self.views, self._basic, self._token, self._hosts = views, basic_auth, token, hosts
+    def __bool__(self) -> bool:
+        return bool(self.basic or self.token)
+
+    def by_token(self, headers: httputil.HTTPHeaders) -> bool:
+        return self.token is not None and hmac.compare_digest(_given(headers, "bearer"), self.token.encode())
+
+    def by_password(self, headers: httputil.HTTPHeaders) -> bool:
+        return self.basic is not None and hmac.compare_digest(_given(headers, "basic"),
+                                                              base64.b64encode(self.basic.encode()))
+
+    def admit(self, headers: httputil.HTTPHeaders) -> bool:
+        return not self or self.by_token(headers) or self.by_password(headers)
+
+
+def _given(headers: httputil.HTTPHeaders, scheme: str) -> bytes:
+    """The Authorization header's credentials when its scheme is ``scheme`` (in any case, RFC 7235)."""
+    given, _, credentials = headers.get("Authorization", "").partition(" ")
+    return credentials.strip().encode() if given.lower() == scheme else b""
+
+
+class Headers(tornado.web.RequestHandler):
+    """The security headers, on every answer (pages, API, static files, Tornado's own 404 and 500)."""
 
     def set_default_headers(self) -> None:
         self.set_header("X-Frame-Options", "DENY")
         self.set_header("Content-Security-Policy", "default-src 'none'; style-src 'self'; form-action 'self'; "
                                                    "frame-ancestors 'none'; base-uri 'none'")
         self.set_header("Referrer-Policy", "same-origin")  # no-referrer would make a form's Origin "null"
+        self.set_header("X-Content-Type-Options", "nosniff")
+        self.set_header("Cache-Control", "no-store")  # pages show arguments and headers
+
+
+class Static(Headers, tornado.web.StaticFileHandler):
+    """The stylesheet; a path no file can have (a NUL byte) is a 400, not a 500."""
+
+    def parse_url_path(self, url_path: str) -> str:
+        if "\0" in url_path:
+            raise tornado.web.HTTPError(400, "a path with a NUL byte")
+        return super().parse_url_path(url_path)
+
+
+class Base(Headers):
+    """Authentication, XSRF, errors, and one answer as a page or as JSON under ``/api``."""
+
+    views: Views
+
+    def initialize(self, views: Views, credentials: Credentials, hosts: frozenset[str]) -> None:
+        self.views, self._credentials, self._hosts = views, credentials, hosts
 
     @property
     def api(self) -> bool:
         return self.request.path.startswith("/api/")
 
-    def _by_token(self) -> bool:
-        given = self.request.headers.get("Authorization", "")
-        return bool(self._token) and hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode())
-
-    def _by_password(self) -> bool:
-        given = self.request.headers.get("Authorization", "")
-        wanted = "Basic " + base64.b64encode(self._basic.encode()).decode() if self._basic else ""
-        return bool(self._basic) and hmac.compare_digest(given.encode(), wanted.encode())
-
     def _check_host_and_origin(self) -> None:
         """Without credentials, only a Host of this machine (DNS rebinding); a browser's POST only from
         these pages (its Origin is this server)."""
-        if not (self._basic or self._token) and _hostname(self.request.host) not in self._hosts:
+        if not self._credentials and _hostname(self.request.host) not in self._hosts:
             raise Problem(403, f"Host {self.request.host!r} is not one this server answers to "
                                "(--allowed-host adds one)")
         origin = self.request.headers.get("Origin")
@@ -83,8 +123,8 @@ class Base(tornado.web.RequestHandler):
             raise Problem(403, f"a change from another site ({origin}) is refused")
 
     def prepare(self) -> None:
-        if (self._basic or self._token) and not (self._by_token() or self._by_password()):
-            if self._basic:
+        if not self._credentials.admit(self.request.headers):
+            if self._credentials.basic:
                 self.set_header("WWW-Authenticate", 'Basic realm="celery-delayed"')
             raise Problem(401, "credentials required")
         self._check_host_and_origin()
@@ -95,8 +135,8 @@ class Base(tornado.web.RequestHandler):
         """Run first for a POST (before :meth:`prepare`). A bearer token is never attached by a browser
         on its own: no XSRF check for it."""
         self._check_host_and_origin()
-        if not self._by_token():
-            if (self._basic or self._token) and not self._by_password():
+        if not self._credentials.by_token(self.request.headers):
+            if not self._credentials.admit(self.request.headers):
                 raise Problem(401, "credentials required")
             super().check_xsrf_cookie()
 
@@ -108,7 +148,7 @@ class Base(tornado.web.RequestHandler):
             raise
         except TaskNotScheduled as exc:
             raise Problem(404, str(exc)) from None
-        except TaskInFlight as exc:
+        except (TaskInFlight, JobRunning) as exc:
             raise Problem(409, str(exc)) from None
         except StoreUnavailable as exc:
             raise Problem(503, f"store unavailable: {exc}") from None
@@ -188,9 +228,12 @@ class Upcoming(Base):
         task_id = self.arg("id")
         if task_id and not self.api:  # search by id: that task's page
             return self.redirect(f"/tasks/{_quote(task_id)}")
+        query = {name: self.get_query_argument(name) for name in self.request.query_arguments}  # bad bytes: 400
+        done = tornado.web.decode_signed_value(self.settings["cookie_secret"], "done", query.pop("done", ""),
+                                               max_age_days=DONE_DAYS)  # only a message of this server
         now_ms = await self.call(self.views.store.now_ms)
         data = await self.call(self.views.upcoming, self.filter(now_ms), self.arg("after"), self.limit(50))
-        self.answer("upcoming.html", data, query=self.request.query_arguments)
+        self.answer("upcoming.html", data, query=query, done=done and done.decode())
 
 
 class Task(Base):
@@ -207,7 +250,8 @@ class TaskAction(Base):
     async def post(self, task_id: str, action: str) -> None:
         if action == "cancel":
             data = await self.call(self.views.cancel, task_id)
-            return self.done(data, f"/upcoming?{urllib.parse.urlencode({'done': f'cancelled {task_id}'})}")
+            done = self.create_signed_value("done", f"cancelled {task_id}").decode()  # no link shows other text
+            return self.done(data, f"/upcoming?{urllib.parse.urlencode({'done': done})}")
         if action == "run-now":
             data = await self.call(self.views.run_now, task_id)
         elif action == "reschedule":
@@ -288,10 +332,13 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
              allowed_hosts: tuple[str, ...] = (), cookie_secret: str | None = None) -> tornado.web.Application:
     """The web view's routes; each page's path under ``/api`` answers the same as JSON.  Without
     credentials, requests must name this machine (or one of ``allowed_hosts``) as their Host."""
-    if basic_auth is not None and ":" not in basic_auth:
-        raise ValueError("--basic-auth must be user:password")
+    if basic_auth is not None and not basic_auth.partition(":")[2]:
+        raise ValueError("--basic-auth must be user:password, the password not empty")
+    if token is not None and len(token) < MIN_TOKEN:
+        raise ValueError(f"--token must be at least {MIN_TOKEN} characters (an empty one would let anyone in)")
     hosts = frozenset({"127.0.0.1", "localhost", "::1", *(_hostname(h) for h in allowed_hosts)})
-    init = {"views": views, "basic_auth": basic_auth, "token": token, "hosts": hosts}
+    credentials = Credentials(basic_auth, token)
+    init = {"views": views, "credentials": credentials, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
               (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", TaskAction), (r"/bulk", Bulk),
               (r"/queues/(pause|resume|rate)", QueueAction),
@@ -300,10 +347,54 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
               (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetterAction)]
     handlers = [(path, cls, init) for path, cls in routes]
     handlers += [("/api/overview" if path == "/" else "/api" + path, cls, init) for path, cls in routes]
-    return tornado.web.Application(
-        handlers, template_path=str(HERE / "templates"), static_path=str(HERE / "static"),
+    return Application(
+        handlers, credentials, template_path=str(HERE / "templates"), static_path=str(HERE / "static"),
+        static_handler_class=Static, default_handler_class=NotFound, default_handler_args=init,
         xsrf_cookies=True, cookie_secret=cookie_secret or secrets.token_hex(32),
         pool=ThreadPoolExecutor(8, thread_name_prefix="delayed-web"), autoescape="xhtml_escape")
+
+
+class NotFound(Base):
+    """A path no route has: a 404 like the others (behind the credentials, with the security headers)."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        raise Problem(404, f"no page {self.request.path}")
+
+
+class Application(tornado.web.Application):
+    """Reads a request's body only once its headers carry the credentials, and then at most
+    :data:`MAX_BODY` bytes within :data:`BODY_TIMEOUT` seconds, however the server was made."""
+
+    def __init__(self, handlers: list, credentials: Credentials, **settings: Any) -> None:
+        super().__init__(handlers, **settings)
+        self.credentials = credentials
+
+    def start_request(self, server_conn: object, request_conn: httputil.HTTPConnection
+                      ) -> httputil.HTTPMessageDelegate:
+        return _HeadersFirst(super().start_request(server_conn, request_conn), request_conn, self.credentials)
+
+
+class _HeadersFirst(httputil.HTTPMessageDelegate):
+    """Caps the body of the request ``delegate`` handles once its headers are in: none without credentials
+    (the connection answers 400 at once, before a byte of it is read)."""
+
+    def __init__(self, delegate: httputil.HTTPMessageDelegate, connection: Any, credentials: Credentials) -> None:
+        self.delegate, self.connection, self.credentials = delegate, connection, credentials
+
+    def headers_received(self, start_line: Any, headers: httputil.HTTPHeaders) -> Any:
+        self.connection.set_max_body_size(MAX_BODY if self.credentials.admit(headers) else 0)
+        self.connection.set_body_timeout(BODY_TIMEOUT)
+        return self.delegate.headers_received(start_line, headers)
+
+    def data_received(self, chunk: bytes) -> Any:
+        return self.delegate.data_received(chunk)
+
+    def finish(self) -> None:
+        self.delegate.finish()
+
+    def on_connection_close(self) -> None:
+        self.delegate.on_connection_close()
 
 
 def _hostname(host: str) -> str:
@@ -343,10 +434,9 @@ def _relative(ms: int | None, now_ms: int) -> str:
     return f"in {_age(seconds)}" if seconds >= 0 else f"{_age(-seconds)} ago"
 
 
-def _next_page(query: dict[str, list[bytes]], cursor: str) -> str:
+def _next_page(query: dict[str, str], cursor: str) -> str:
     """The query string of the next page: the same filter, after ``cursor``."""
-    kept = {k: v[0].decode() for k, v in query.items() if k not in ("after", "done")}
-    return urllib.parse.urlencode({**kept, "after": cursor})
+    return urllib.parse.urlencode({**query, "after": cursor})
 
 
 def _bars(histogram: dict[str, Any], label: Callable[[int], str], width: int = 720, height: int = 120) -> str:

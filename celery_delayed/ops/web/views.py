@@ -7,7 +7,6 @@ newest.  Bulk actions run as :class:`Job` threads whose progress a page polls.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from celery_delayed import inert
 from celery_delayed import store_of
 from celery_delayed.ops import browse
 from celery_delayed.ops.browse import Filter
@@ -30,7 +30,7 @@ from celery_delayed.store.revoke import cancel_or_revoke
 if TYPE_CHECKING:
     from celery import Celery
 
-logger = logging.getLogger(__name__)
+logger = inert.logger(__name__)
 MINUTE_MS, HOUR_MS = 60_000, 3_600_000
 #: The load histogram: per minute for the next hour, per hour for the next two days.
 NEAR_BINS, FAR_BINS = 60, 48
@@ -186,6 +186,8 @@ class Views:
         stale changes nothing unseen.  A job, not the request: 100,000 letters take minutes."""
         if action not in ("requeue", "purge"):
             raise ValueError(f"unknown dead-letter action {action!r}: requeue or purge")
+        if not (confirm or "").isdigit():  # before reading up to every letter to count them
+            raise ValueError(f"{action} of dead letters needs confirm=<how many match>")
         ids = self.letters.matching(flt.task, flt.reason)
         if confirm != str(len(ids)):
             raise ValueError(f"{action} of {len(ids)} dead letters needs confirm={len(ids)}")
@@ -300,6 +302,11 @@ class Job:
         return {**asdict(self), "filter": self.filter.as_dict()}
 
 
+class JobRunning(Exception):
+    """A bulk job of the kind asked for is running: one of each kind at a time, so requests cannot pile up
+    walks of the whole schedule."""
+
+
 class Jobs:
     """The web process's bulk jobs by id (kept in memory: a restart forgets them, not their effect)."""
 
@@ -336,6 +343,9 @@ class Jobs:
                 job.finished = time.time()
 
         with self._lock:
+            running = next((j for j in self._jobs.values() if j.action == action and j.state == "running"), None)
+            if running is not None:
+                raise JobRunning(f"a {action} job is running ({running.id}): start another once it ends")
             self._jobs[job.id] = job
             finished = [j for j in self._jobs.values() if j.finished]  # oldest first
             for old in finished[:max(0, len(self._jobs) - KEPT_JOBS)]:

@@ -25,6 +25,7 @@ BUILT = {
     "<prefix>:{p}:fence": K.fence("p"),
     "<prefix>:{p}:stamp": K.stamp("p"),
     "<prefix>:{p}:keys": K.key_index("p"),
+    "<prefix>:{p}:recurring": K.recurring("p"),
     "<prefix>:{p}:wait": K.wait_probe("p"),
     "<prefix>:run:{<crc>}<id>": K.run("<id>"),
     "<prefix>:revoked:{<crc>}<id>": K.revoked("<id>"),

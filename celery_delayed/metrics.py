@@ -27,6 +27,8 @@ _POLLER_COUNTERS = {
                           "replaced before their ack: the newer copy stays scheduled"),
     "delivery_failed": Counter("celery_delayed_delivery_failed", "Kafka deliveries that failed (task due again)"),
     "dead_lettered": DEAD_LETTERED.labels("poller"),
+    "dropped": Counter("celery_delayed_dropped", "Claimed copies not sent: stale occurrences of recurring "
+                       "schedules changed or removed since they were written"),
     "fenced": Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists"),
     "producer_replaced": Counter("celery_delayed_producers_replaced", "Kafka producers replaced after a fatal "
                                  "error (what they held returned to due)"),

@@ -113,3 +113,17 @@ def retry_then_replace(self, run: str) -> None:
     if not self.request.retries:
         raise self.retry(countdown=2)
     raise self.replace(work.si(run).set(countdown=3))
+
+
+@shared_task(name="tasks.demo.tick", bind=True)
+def tick(self, run: str, label: str = "") -> None:
+    """Record one execution of a recurring schedule's occurrence: per nominal time, how many times it ran
+    (``demo:<run>:ticks``) and, once, the label, definition version, start time and Kafka hops of its run
+    (``demo:<run>:tick``)."""
+    nominal = self.request.delayed_nominal
+    pipe = _redis().pipeline(transaction=False)
+    pipe.hincrby(f"demo:{run}:ticks", nominal, 1)
+    pipe.hsetnx(f"demo:{run}:tick", nominal, json.dumps({
+        "label": label, "version": self.request.delayed_version, "id": self.request.id,
+        "started": int(time.time() * 1000), "hops": getattr(self.request, FROM_KAFKA, None)}))
+    pipe.execute()

@@ -94,7 +94,7 @@ def _copy_with_id(signature: Signature, when: dict) -> Signature:
 
 
 @contextmanager
-def _results_subscribed_on_get(app: Celery) -> Iterator[None]:
+def results_subscribed_on_get(app: Celery) -> Iterator[None]:
     """No result subscription per task sent: ``AsyncResult.get()`` subscribes when it is called.
 
     Celery's Redis result backend subscribes to each task's result channel as it
@@ -122,7 +122,7 @@ def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[A
     failed: Exception | None = None
     token = batching.set(batch)
     try:
-        with app.producer_or_acquire() as producer, _results_subscribed_on_get(app):
+        with app.producer_or_acquire() as producer, results_subscribed_on_get(app):
             for signature in chunk:
                 sent.append(signature.apply_async(producer=producer, **when))
                 if batch.bypassed:

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from celery_delayed import store_of
+from celery_delayed.client.schedules import beat_entries
 from celery_delayed.inert import inert
 from celery_delayed.kafka import fleet, grow_topic
 from celery_delayed.ops import browse, drain
@@ -93,7 +94,7 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
     if port:
         with _listening("127.0.0.1", port):
             prometheus_client.start_http_server(port, addr="127.0.0.1")
-    the_poller = Poller(settings, store=store, backend=ctx.obj.app.backend)
+    the_poller = Poller(settings, store=store, backend=ctx.obj.app.backend, beat_schedule=beat_entries(ctx.obj.app))
 
     def on_signal(signum: int, frame: object) -> None:
         logging.getLogger(__name__).info("signal %d: finishing the batch in hand, resigning", signum)

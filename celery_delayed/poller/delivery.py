@@ -115,6 +115,11 @@ class Delivery:
             self._pending += 1
             return True
 
+    def drop(self, partition: int, task_id: str, stamp: int) -> None:
+        """Forget a claimed copy that is not to be sent (a stale occurrence of a recurring schedule)."""
+        self._settle(self.store.ack, partition, [(task_id, stamp)])
+        self.stats.add("dropped")
+
     def _ensure_topic(self, topic: str) -> bool:
         """Create a queue's topic if missing; on failure, stop trying for a few seconds."""
         try:

@@ -26,6 +26,9 @@ from celery_delayed import metrics
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
 from celery_delayed.poller.delivery import Delivery
 from celery_delayed.poller.leadership import Leadership
+from celery_delayed.recurring.definitions import BEAT, Definitions
+from celery_delayed.recurring.occurrences import maybe_occurrence
+from celery_delayed.recurring.rules import Rule
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import Claim, DelayedStore
 from celery_delayed.store.dlq import ResultBackend
@@ -77,14 +80,19 @@ class Poller:
 
     ``backend``: the app's result backend, where a task the poller dead-letters
     gets its FAILURE result (so its waiters wake up); ``producer``: instead of a
-    new one (tests).
+    new one (tests); ``beat_schedule``: the recurring schedules of the app's
+    ``beat_schedule`` (schedule id -> template, rule), synced at start
+    (:meth:`.Definitions.sync`; None: not synced).
     """
 
     def __init__(self, settings: Settings, store: DelayedStore | None = None,
                  leadership: Leadership | None = None, producer: Producer | None = None,
-                 backend: ResultBackend | None = None) -> None:
+                 backend: ResultBackend | None = None,
+                 beat_schedule: dict[str, tuple[bytes, Rule]] | None = None) -> None:
         self.settings = settings
         self.store = store or DelayedStore(settings)
+        self.recurring = Definitions(self.store)
+        self._beat_schedule = beat_schedule
         self.leadership = leadership or Leadership(settings)
         self.stats = metrics.PollerCounts()
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="delayed-store")
@@ -109,7 +117,7 @@ class Poller:
 
         Raises ConfigurationError at start when the store must not be used (:func:`preflight`).
         """
-        if not self._preflight():
+        if not self._preflight() or not self._sync_beat_schedule():
             return
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
@@ -146,6 +154,18 @@ class Poller:
                 self._stopping.wait(1.0)
         return False
 
+    def _sync_beat_schedule(self) -> bool:
+        """Sync ``beat_schedule`` into the store, waiting for the store while it fails; False if stopped meanwhile."""
+        while self._beat_schedule is not None and not self._stopping.is_set():
+            try:
+                self.recurring.sync(self._beat_schedule, BEAT)
+                logger.info("beat_schedule synced: %d recurring schedule(s)", len(self._beat_schedule))
+                return True
+            except STORE_ERRORS as exc:
+                logger.warning("cannot sync beat_schedule to the delayed store (%s): trying again", exc)
+                self._stopping.wait(1.0)
+        return not self._stopping.is_set()
+
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
@@ -181,6 +201,8 @@ class Poller:
             self._limit.take(len(claim.items))
             claimed = (CLAIMED_HEADER, str(claim.now_ms))
             for task_id, due_ms, data in claim.items:
+                if maybe_occurrence(task_id) and not self._occurrence_goes(partition, task_id, claim, data):
+                    continue
                 produced += self.delivery.produce(partition, task_id, claim.stamp, due_ms, data,
                                                   [(DUE_HEADER, str(due_ms)), claimed])
             full = len(claim.items) >= budget
@@ -191,6 +213,21 @@ class Poller:
         self._give_back(tokens)
         self.delivery.serve(timeout=0)
         return produced
+
+    def _occurrence_goes(self, partition: int, task_id: str, claim: Claim, data: bytes) -> bool:
+        """Whether a claimed copy with a version-5 id goes to Kafka: a recurring schedule's occurrence has
+        its successor written first (:meth:`.Definitions.advance`), and a stale one is dropped (acked
+        unsent).  When the successor cannot be written, the copy stays in flight and is claimed again
+        after the visibility timeout."""
+        try:
+            goes = self.recurring.advance(data, claim.now_ms)
+        except STORE_ERRORS as exc:
+            logger.warning("task %s: cannot write its recurring schedule's next occurrence (%s): due again after "
+                           "the visibility timeout", task_id, exc)
+            return False
+        if not goes:
+            self.delivery.drop(partition, task_id, claim.stamp)
+        return goes
 
     def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int]
                 ) -> Iterator[tuple[int, int, int, Claim | Fenced]]:

@@ -29,6 +29,8 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
      "id -> envelope of the tasks one cancel request removed, kept a minute at most: sent again after its reply "
      "was lost, it answers the same"),
     ("<prefix>:{p}:keys", "HASH", "replace-by-key key -> the task id scheduled under it"),
+    ("<prefix>:{p}:recurring", "HASH",
+     "recurring schedule id -> its definition (JSON: rule, message template, version, pending occurrence)"),
     ("<prefix>:{p}:wait", "STRING",
      "a short-lived write after which WAIT/WAITAOF confirms a cluster node's replication"),
     ("<prefix>:run:{<crc>}<id>", "STRING", "run claim: the worker running the task id, leased"),
@@ -108,6 +110,9 @@ class Keys:
 
     def key_index(self, partition: int) -> str:
         return self.of(partition, "keys")
+
+    def recurring(self, partition: int) -> str:
+        return self.of(partition, "recurring")
 
     def wait_probe(self, partition: int) -> str:
         return self.of(partition, "wait")

@@ -27,6 +27,7 @@ BUILT = {
     "<prefix>:{p}:claim": K.last_claim("p"),
     "<prefix>:{p}:cancelled:<request>": K.cancelled("p", "<request>"),
     "<prefix>:{p}:keys": K.key_index("p"),
+    "<prefix>:{p}:recurring": K.recurring("p"),
     "<prefix>:{p}:wait": K.wait_probe("p"),
     "<prefix>:run:{<crc>}<id>": K.run("<id>"),
     "<prefix>:revoked:{<crc>}<id>": K.revoked("<id>"),

@@ -1,0 +1,44 @@
+"""A poller of the demo app that kills itself (SIGKILL) at a chosen point of dispatching the first
+occurrence of a recurring schedule, as ``celery -A tasks delayed poller`` would run otherwise:
+
+- ``before_produce``: its successor is written, the occurrence is not yet handed to Kafka;
+- ``before_ack``: Kafka confirmed the occurrence, the store has not forgotten it.
+
+``python -m tests.integration.killer_poller POINT``, configured from the environment as the demo's
+processes are (:func:`tasks.processes.environment`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from celery_delayed import store_of
+from celery_delayed.client.schedules import beat_entries
+from celery_delayed.poller.loop import Poller
+from celery_delayed.recurring.occurrences import maybe_occurrence
+from tasks import create_app
+
+
+def main(point: str) -> None:
+    logging.basicConfig(level="INFO", format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
+    app = create_app()
+    store = store_of(app)
+    poller = Poller(store.settings, store=store, backend=app.backend, beat_schedule=beat_entries(app))
+    target, name = (poller.delivery, "produce") if point == "before_produce" else (store, "ack")
+    call = getattr(target, name)
+
+    def dying(*args, **kwargs):
+        task_ids = [args[1]] if name == "produce" else [task_id for task_id, _ in args[1]]
+        if any(maybe_occurrence(task_id) for task_id in task_ids):
+            print(f"killing myself {point} of {task_ids}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return call(*args, **kwargs)
+
+    setattr(target, name, dying)
+    poller.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -33,7 +33,7 @@ from tasks.processes import ROOT, Processes, environment, free_port, wait_for
 
 #: The process helpers live in tasks.processes (the benchmarks use them too); the tests import them here.
 __all__ = ["ETCD3_ENDPOINTS", "ETCD3_MEMBERS", "Processes", "ROOT", "SERVICES_DIR", "Servers", "SilentServer",
-           "Starver", "TopicReader", "Toxiproxy", "cut_redis_connections", "envelopes", "environment",
+           "Starver", "TopicReader", "Toxiproxy", "answers", "cut_redis_connections", "envelopes", "environment",
            "etcd3_leader", "etcd3_port", "etcd3_status", "kill9", "leaders", "own_redis", "run_briefly", "server_pid",
            "wait_for",
            "wait_for_wake_up"]
@@ -116,7 +116,7 @@ def own_redis(workdir: Path, *config: str) -> Iterator[redis.Redis]:
                               stdout=(workdir / "redis.log").open("wb"), stderr=subprocess.STDOUT)
     client = redis.Redis(port=port)
     try:
-        wait_for(lambda: _answers(client), 10, f"redis-server on port {port} (log: {workdir / 'redis.log'})")
+        wait_for(lambda: answers(client), 10, f"redis-server on port {port} (log: {workdir / 'redis.log'})")
         yield client
     finally:
         client.close()
@@ -124,7 +124,8 @@ def own_redis(workdir: Path, *config: str) -> Iterator[redis.Redis]:
         server.wait()
 
 
-def _answers(client: redis.Redis) -> bool:
+def answers(client: redis.Redis) -> bool:
+    """Whether a Redis answers PING now."""
     try:
         return client.ping()
     except redis.ConnectionError:

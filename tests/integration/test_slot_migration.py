@@ -26,7 +26,7 @@ from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import Change
 from tasks.processes import free_port, wait_for
 
-from .support import envelopes
+from .support import answers, envelopes
 
 HOUR = 3_600_000
 
@@ -43,7 +43,7 @@ def cluster(tmp_path) -> Iterator[str]:
                  "--cluster-enabled", "yes", "--dir", str(tmp_path / str(port)), "--save", "",
                  "--logfile", str(tmp_path / f"{port}.log")]))
         clients = [redis.Redis(port=port) for port in ports]
-        wait_for(lambda: all(_answers(client) for client in clients), 10, "the nodes to answer")
+        wait_for(lambda: all(answers(client) for client in clients), 10, "the nodes to answer")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         wait_for(lambda: all(client.cluster("info")["cluster_state"] == "ok" for client in clients), 30,
@@ -53,13 +53,6 @@ def cluster(tmp_path) -> Iterator[str]:
         for server in servers:
             server.kill()
             server.wait()
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
 
 
 @pytest.fixture

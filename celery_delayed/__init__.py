@@ -7,12 +7,12 @@ Enable it on an existing app with one line::
 """
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, signals
 from celery.app.amqp import AMQP
 from celery.app.control import Control
 from celery.utils.imports import symbol_by_name
 
-from celery_delayed import metrics
+from celery_delayed import inert, metrics
 from celery_delayed.client.bulk import ApplyManyError, apply_many
 from celery_delayed.client.intercept import DelayedAMQP, DelayedPublishError
 from celery_delayed.client.schedules import Schedules
@@ -52,6 +52,8 @@ def install(app: Celery) -> Celery:
         park_failures(app)
         remember_finished(app)
         app._delayed_signals_connected = True
+    for setup in (signals.after_setup_logger, signals.after_setup_task_logger):
+        setup.connect(inert.guard_handlers, weak=False, dispatch_uid="celery_delayed.inert")
     return app
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 #: C0 controls, DEL, C1 controls and the Unicode bidi overrides and isolates (they reorder what follows).
@@ -35,16 +36,31 @@ class _Inert:
 
 
 class InertArgs(logging.Filter):
-    """Formats a record's arguments inert (numbers kept as they are, for ``%d``): a task id or a reason
-    holding CR/LF cannot forge a log line; messages of plain arguments look as before."""
+    """Formats a record's arguments inert, positional or by name (numbers kept as they are, for ``%d``):
+    a task id or a reason holding CR/LF cannot forge a log line; messages of plain arguments look as before."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(a if isinstance(a, (int, float)) else _Inert(a) for a in record.args)
+            record.args = tuple(_kept(a) for a in record.args)
+        elif isinstance(record.args, Mapping):  # Celery's own: "Task %(name)s[%(id)s] received"
+            record.args = {key: _kept(value) for key, value in record.args.items()}
         return True
 
 
+def _kept(value: Any) -> Any:
+    return value if isinstance(value, (int, float)) else _Inert(value)
+
+
 _FILTER = InertArgs()
+
+
+def guard_handlers(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Make every record written through ``logger``'s handlers inert, Celery's own lines too (a worker's
+    "Task name[id] received" names an id a scheduler chose): a receiver of Celery's
+    ``after_setup_logger`` and ``after_setup_task_logger``."""
+    for handler in logger.handlers if logger is not None else ():
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
 
 
 def logger(name: str) -> logging.Logger:

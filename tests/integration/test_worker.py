@@ -453,3 +453,17 @@ def test_a_task_whose_pool_child_dies_with_the_workers_stop_runs_again_at_once(o
     runs = int(r.hget(f"demo:{run}:runs", task.id))
     print(f"\n{stop}: the task ended {time.monotonic() - stopped:.1f} s after the worker stopped, run {runs} times")
     assert runs == expected_runs
+
+
+def test_a_task_id_holding_cr_lf_forges_no_line_in_celerys_own_worker_log(overrides, processes):
+    """Celery's worker logs each task's id ("Task name[id] received", "... succeeded"): an id a scheduler
+    chose, holding CR/LF, must show escaped there too, not start a line of its own (issue 46)."""
+    app = create_app(**overrides)
+    forged = "[2026-01-01 00:00:00,000: INFO/MainProcess] forged line"
+    result = due_in(app, "tasks.demo.add", (2, 3), task_id=f"evil-{uuid.uuid4().hex}\r\n{forged}")
+    processes.poller()
+    worker = processes.worker("w1")
+    assert result.get(timeout=60) == 5
+    log = processes.log(worker)
+    assert "received" in log and "\\r\\n" + forged in log  # Celery's lines about the task, its id escaped
+    assert not [line for line in log.splitlines() if line.startswith(forged)], "a task id forged a log line"

@@ -314,7 +314,7 @@ def _rebalance_feed(services, protocol: str, assignor: str | None, seen: dict[st
         extra["partition.assignment.strategy"] = assignor
     config = consumer_config(Settings.from_mapping({**SERVERS, "group_protocol": protocol}), **extra)
     feed = object.__new__(KafkaFeed)
-    feed.offsets, feed._paused, feed._incremental = OffsetTracker(), set(), incremental(config)
+    feed.offsets, feed._paused, feed._incremental, feed._green = OffsetTracker(), set(), incremental(config), False
 
     def on_assign(consumer, partitions):
         feed._on_assign(consumer, partitions)

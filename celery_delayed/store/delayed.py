@@ -206,7 +206,8 @@ class DelayedStore(Inspection):
                                        args=[self.keys.bucket_prefix(p), member_of(task_id), CANCEL_KEPT_MS])
             return self.execute(pipe)
 
-        replies = write_retrying(send, (), failed=f"cancel of {len(ids)} tasks", errors=(StoreUnavailable,))
+        replies = write_retrying(send, (), failed=f"cancel of {len(ids)} tasks", errors=(StoreUnavailable,),
+                                 unless=(StoreRefused,))  # a refusal is an answer: no reply was lost
         self._forget_cancelled(request, {self.partition(task_id) for task_id, reply in zip(ids, replies)
                                          if isinstance(reply, bytes)})
         return {task_id: reply if isinstance(reply, bytes) else Change(reply) for task_id, reply in zip(ids, replies)}

@@ -52,11 +52,12 @@ PERSIST_MAX_INTERVAL = 2.0
 
 def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None = None, *,
                    failed: str, policy: Mapping[str, Any] | None = None, forever: bool = False,
-                   errors: tuple[type[Exception], ...] = STORE_ERRORS) -> Any:
+                   errors: tuple[type[Exception], ...] = STORE_ERRORS,
+                   unless: tuple[type[Exception], ...] = ()) -> Any:
     """``write(*args, **kwargs)``, tried again while it raises one of ``errors`` (the store refuses
-    it), each refusal logged as ``failed`` with the error and the wait.  ``policy`` has the fields of
-    Celery's publish retry policy; ``forever`` ignores its ``max_retries`` and waits up to
-    :data:`PERSIST_MAX_INTERVAL`.
+    it) but none of ``unless`` (raised at once), each refusal logged as ``failed`` with the error and
+    the wait.  ``policy`` has the fields of Celery's publish retry policy; ``forever`` ignores its
+    ``max_retries`` and waits up to :data:`PERSIST_MAX_INTERVAL`.
 
     A write done ``forever`` (a running task's retry, a dead letter) is not given up to a task's
     ``soft_time_limit`` firing meanwhile either: Celery would turn that into a failure for good
@@ -70,17 +71,33 @@ def write_retrying(write: Callable[..., Any], args: tuple, kwargs: Mapping[str, 
         logger.warning("%s (%s); retry %d in %.1f s", failed, exc, retries + 1, wait)
         return wait
 
+    def attempt(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return write(*args, **kwargs)
+        except unless as exc:
+            raise _GiveUp(exc) from exc
+
     while True:
         try:
             return retry_over_time(
-                write, errors, args=args, kwargs=dict(kwargs or {}), errback=on_error,
+                attempt, errors, args=args, kwargs=dict(kwargs or {}), errback=on_error,
                 max_retries=None if forever else policy.get("max_retries", 3),
                 interval_start=policy.get("interval_start", 0), interval_step=policy.get("interval_step", 0.2),
                 interval_max=max(policy.get("interval_max", 0.2), PERSIST_MAX_INTERVAL if forever else 0))
+        except _GiveUp as given_up:
+            raise given_up.error from None
         except SoftTimeLimitExceeded:
             if not forever:
                 raise
             logger.warning("%s: the task's soft time limit passed meanwhile; the write goes on", failed)
+
+
+class _GiveUp(Exception):
+    """Carries an error of :func:`write_retrying`'s ``unless`` past its retries."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class LayoutMismatch(ConfigurationError):

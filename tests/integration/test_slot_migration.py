@@ -23,7 +23,7 @@ import redis
 
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
-from celery_delayed.store.outcomes import Change
+from celery_delayed.store.outcomes import Change, StoreUnavailable
 from tasks.processes import free_port, wait_for
 
 from .support import answers, envelopes
@@ -110,9 +110,20 @@ def test_a_task_rescheduled_out_of_a_bucket_it_was_alone_in_is_dispatched_at_its
 
 
 def test_a_task_cancelled_out_of_a_bucket_it_was_alone_in_is_gone(store):
+    """A cancel also writes what it removed under a key of its request (``lua/cancel.lua``: a lost reply
+    is answered from it), a key the migrating node does not hold: Redis may refuse the script before it
+    runs.  Refused, it is refused whole, the task untouched, and goes through once the slot is stable;
+    run, it leaves the task in no bucket behind."""
     store.schedule_many(envelopes(1, "q", store.now_ms() + HOUR, prefix="alone"))
     with migrating(store):
-        assert store.cancel("alone-0") is Change.DONE
+        try:
+            cancelled = store.cancel("alone-0")
+        except StoreUnavailable:
+            cancelled = None
+    if cancelled is None:
+        assert store.get("alone-0")["state"] == "scheduled"  # nothing half-done
+        cancelled = store.cancel("alone-0")
+    assert cancelled is Change.DONE
     assert store.get("alone-0") is None and store.counts()[0]["scheduled"] == 2  # "unqueued", "retried"
 
 

@@ -47,6 +47,7 @@ a default-queue task was not run, a paused task reached its topic before resume,
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import shutil
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -74,6 +76,7 @@ from celery_delayed import store_of
 from celery_delayed.kafka import ensure_topics
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import TOKEN_BURST_S
 from tasks.processes import Processes, wait_for
 
 console = Console(width=None if Console().is_terminal else 160)
@@ -253,26 +256,41 @@ def run_paused_case(n: int, beside: int, progress: Progress, logdir: Path) -> di
             progress.update(draining, completed=timeline[-1][1])
             time.sleep(SAMPLE_S)
         progress.remove_task(draining)
-        burst = int(PAUSED_RATE * 0.25)
-        low = next(t for t, k in timeline if k >= max(stored // 10, burst))
-        high, high_k = next((t, k) for t, k in timeline if k >= stored * 9 // 10)
-        low_k = next(k for t, k in timeline if t == low)
-        beside_s = next((t for t, k in beside_timeline if k >= beside_stored), None) if beside_stored else None
-        # its drain while the other queue's campaign went, once the bucket's first quarter second was spent
-        start, start_k = next((t, k) for t, k in timeline if k >= burst)
-        end_k = next((k for t, k in timeline if beside_s is not None and t >= beside_s), None)
+        # rates by when the pollers produced each record, not by when Kafka showed it (a campaign's
+        # records ahead of them in the producer's queue would hold the limited queue's back, then all at once)
+        limited = [at - resumed for at in _produced(consumer, settings.topic(BULK), parts, stored)]
+        other = [at - resumed for at in _produced(consumer, settings.topic(BESIDE), beside_parts, beside_stored)]
+        burst = int(PAUSED_RATE * TOKEN_BURST_S)  # the bucket's first tokens, there at once
+        low, high = max(stored // 10, burst), stored * 9 // 10
+        # while the other queue's campaign went: from the bucket's first tokens on, until its last record
+        during = bisect.bisect(limited, other[-1]) - burst if other else 0
         return {"case": label, "paused": n, "stored": stored, "store_s": round(seconds, 1),
                 "records_while_paused": while_paused, "drain_s": next(t for t, k in timeline if k >= stored),
-                "drain_per_s": round((high_k - low_k) / (high - low)), "rate": PAUSED_RATE,
-                "pollers": PAUSED_POLLERS, "beside": beside_stored, "beside_s": beside_s,
-                "beside_per_s": round(beside_stored / beside_s) if beside_s else None,
-                "drain_beside_per_s": round((end_k - start_k) / (beside_s - start)) if end_k and beside_s > start
+                "drain_per_s": round((high - low) / (limited[high] - limited[low])), "rate": PAUSED_RATE,
+                "pollers": PAUSED_POLLERS, "beside": beside_stored,
+                "beside_s": next((t for t, k in beside_timeline if k >= beside_stored), None),
+                "beside_per_s": round(len(other) / (other[-1] - other[0])) if len(other) > 1 else None,
+                "drain_beside_per_s": round(during / (other[-1] - limited[burst])) if during > PAUSED_RATE / 2
                 else None,
                 "timeline": timeline, "beside_timeline": beside_timeline}
     finally:
         procs.stop_all()
         consumer.close()
         remove_everything(settings, [settings.topic(BULK), settings.topic(BESIDE)])
+
+
+def _produced(consumer: Consumer, topic: str, partitions: list[int], n: int) -> list[float]:
+    """When the pollers produced each of the ``n`` records on ``topic`` (their CreateTime, epoch s), sorted."""
+    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+    stamps: list[float] = []
+    deadline = time.time() + 60
+    while len(stamps) < n and time.time() < deadline:
+        stamps += [record.timestamp()[1] / 1000 for record in consumer.consume(10_000, timeout=1.0)
+                   if not record.error()]
+    consumer.unassign()
+    if len(stamps) < n:
+        raise RuntimeError(f"only {len(stamps):,} of {n:,} records read back from {topic}")
+    return sorted(stamps)
 
 
 def _store(out: dict[str, Any], app: Any, run: str, n: int, due: float, progress: Progress, label: str) -> None:
@@ -344,7 +362,7 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
 def paused_report(result: dict[str, Any]) -> str:
     """The paused case as Markdown (also printed)."""
     head = ["case", "stored: tasks in s", "records on its topic while paused", "drain after resume: tasks/s (vs limit)",
-            "all on its topic after resume, s", f"{BESIDE}, due at resume: all on its topic after, s (tasks/s)",
+            "all on its topic after resume, s", f"{BESIDE}, due at resume: all on its topic after, s (produced/s)",
             f"drain while {BESIDE} went: tasks/s (vs limit)"]
     beside = f"{result['beside_s']} ({result['beside_per_s']:,})" if result.get("beside_per_s") else "—"
     during = result.get("drain_beside_per_s")
@@ -356,10 +374,11 @@ def paused_report(result: dict[str, Any]) -> str:
     table = Table(*head, title=title)
     table.add_row(*row)
     console.print(table)
-    notes = ("Drain: the slope of its topic's records (high watermarks, every "
-             f"{SAMPLE_S * 1000:.0f} ms) between a tenth and nine tenths of them, once the token bucket's first "
-             f"quarter second is spent; while {BESIDE} went: from then until {BESIDE}'s campaign was all on its "
-             "topic.  The limit is one token bucket in Redis that both pollers draw on.")
+    notes = ("Drain: its records produced a second (by their CreateTime, when a poller produced them) between "
+             "a tenth and nine tenths of them, once the token bucket's first quarter second is spent; while "
+             f"{BESIDE} went: from then until {BESIDE}'s last record.  All on its topic: by the topics' high "
+             f"watermarks, every {SAMPLE_S * 1000:.0f} ms.  The limit is one token bucket in Redis that both "
+             "pollers draw on.")
     return "\n".join([f"### {title}", "", _markdown(head, [row]), "", notes]) + "\n"
 
 

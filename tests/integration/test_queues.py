@@ -25,8 +25,9 @@ def test_a_paused_queue_gives_no_task_and_no_due_time_to_a_claim_until_it_is_res
     store.schedule_many(envelopes(2, "other", now - 1000, prefix="other"))
     store.schedule_many(envelopes(1, "other", now + 60_000, prefix="later"))
 
-    claim = store.claim(0, token=1, limit=100, paused=store.paused())
+    claim = store.claim(0, token=1, limit=100, paused=store.paused(), caps={"bulk": 0})
     assert sorted(item[0] for item in claim.items) == ["other-0", "other-1"]
+    assert not claim.throttled  # paused, it has no tokens to wait for: the poller need not come back
     assert claim.next_due_ms == now + 60_000  # not bulk's overdue tasks: the poller may sleep till then
     rows = {row["queue"]: row for row in store.queues()}
     assert rows["bulk"]["overdue"] == 50 and rows["bulk"]["paused_since_ms"] is not None
@@ -46,9 +47,10 @@ def test_a_capped_queue_gives_at_most_its_cap_and_the_claim_says_it_has_more_due
     store.schedule_many(envelopes(50, "bulk", now - 60_000, prefix="bulk"))
     store.schedule_many(envelopes(2, "other", now - 1000, prefix="other"))
     store.schedule_many(envelopes(1, "other", now + 60_000, prefix="later"))
-    claim = store.claim(0, token=1, limit=100, caps={"bulk": 10})
+    claim = store.claim(0, token=1, limit=100, caps={"bulk": 10, "other": 5})
     ids = [item[0] for item in claim.items]
-    assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids) and claim.throttled
+    assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids)
+    assert claim.throttled == {"bulk"}  # other's cap was not all spent: not throttled
     assert claim.taken == {"bulk": 10, "other": 2}  # what the poller gives back of the tokens it held
     assert claim.next_due_ms == now + 60_000  # bulk is due, but closed for this claim
     assert store.claim(0, token=1, limit=100, caps={"bulk": 0}).items == []

@@ -237,7 +237,7 @@ def run_paused_case(n: int, beside: int, progress: Progress, logdir: Path) -> di
                                until=until)
         _, beside_stored = send(app, uuid.uuid4().hex[:8], beside, due + PAUSED_HOLD, 0.0, progress,
                                 f"{label}: store {BESIDE}", queue=BESIDE, until=until)
-        wait_for(lambda: time.time() >= due + PAUSED_HOLD, PAUSED_HOLD + n / 1000 + 10, "the pause to be held")
+        wait_for(lambda: time.time() >= due + PAUSED_HOLD, due + PAUSED_HOLD - time.time() + 10, "the pause to be held")
         while_paused = high_watermark(consumer, settings.topic(BULK), parts)
         store.resume(BULK)
         resumed = time.time()

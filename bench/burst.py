@@ -262,7 +262,9 @@ def run_paused_case(n: int, beside: int, progress: Progress, logdir: Path) -> di
         other = [at - resumed for at in _produced(consumer, settings.topic(BESIDE), beside_parts, beside_stored)]
         burst = int(PAUSED_RATE * TOKEN_BURST_S)  # the bucket's first tokens, there at once
         low, high = max(stored // 10, burst), stored * 9 // 10
-        # while the other queue's campaign went: from the bucket's first tokens on, until its last record
+        # while the other queue's campaign went: from resume until its last record, less the bucket's first
+        # tokens (a limit held exactly makes it the limit; counted from the burst's last record instead, the
+        # tokens earned while the burst was produced would count twice)
         during = bisect.bisect(limited, other[-1]) - burst if other else 0
         return {"case": label, "paused": n, "stored": stored, "store_s": round(seconds, 1),
                 "records_while_paused": while_paused, "drain_s": next(t for t, k in timeline if k >= stored),
@@ -270,8 +272,7 @@ def run_paused_case(n: int, beside: int, progress: Progress, logdir: Path) -> di
                 "pollers": PAUSED_POLLERS, "beside": beside_stored,
                 "beside_s": next((t for t, k in beside_timeline if k >= beside_stored), None),
                 "beside_per_s": round(len(other) / (other[-1] - other[0])) if len(other) > 1 else None,
-                "drain_beside_per_s": round(during / (other[-1] - limited[burst])) if during > PAUSED_RATE / 2
-                else None,
+                "drain_beside_per_s": round(during / other[-1]) if during > PAUSED_RATE / 2 else None,
                 "timeline": timeline, "beside_timeline": beside_timeline}
     finally:
         procs.stop_all()
@@ -376,9 +377,9 @@ def paused_report(result: dict[str, Any]) -> str:
     console.print(table)
     notes = ("Drain: its records produced a second (by their CreateTime, when a poller produced them) between "
              "a tenth and nine tenths of them, once the token bucket's first quarter second is spent; while "
-             f"{BESIDE} went: from then until {BESIDE}'s last record.  All on its topic: by the topics' high "
-             f"watermarks, every {SAMPLE_S * 1000:.0f} ms.  The limit is one token bucket in Redis that both "
-             "pollers draw on.")
+             f"{BESIDE} went: from resume until {BESIDE}'s last record, less the bucket's first quarter second.  "
+             f"All on its topic: by the topics' high watermarks, every {SAMPLE_S * 1000:.0f} ms.  The limit is one "
+             "token bucket in Redis that both pollers draw on.")
     return "\n".join([f"### {title}", "", _markdown(head, [row]), "", notes]) + "\n"
 
 

@@ -254,7 +254,7 @@ def test_a_poller_draws_no_tokens_of_a_limited_queue_none_of_its_partitions_has_
     settings = Settings.from_conf(overrides, partitions=2, lease_ttl=30, dispatch_lead=0,
                                   queue_rates={bulk: 1000})
     store, poller = leading_poller(settings)
-    later = now_ms() + 1500
+    later = now_ms() + 3000  # past a sweep or two, however slow this machine is
     store.schedule_many(envelopes(1, bulk, later, prefix="bulk"))
     store.schedule_many(envelopes(10, queue, now_ms() - 1000))
     produced = 0

@@ -241,7 +241,7 @@ def test_each_claim_of_a_round_gets_a_share_of_its_tokens_not_the_first_all_of_t
     poller.leadership.release()
     print(f"\n{throttled} claims throttled, {len(starved)} of them given no token of a round holding some")
     assert produced == 400
-    assert not starved, f"claims given no token while their round held >= 1 a partition: {starved[:5]}"
+    assert not starved, f"claims given no token by a round holding one a partition or more: {starved[:5]}"
 
 
 def test_a_poller_draws_no_tokens_of_a_limited_queue_none_of_its_partitions_has_due(overrides):

@@ -38,7 +38,7 @@ resumed, its drain rate against the limit, while the same pollers dispatch a cam
 ``--tasks`` with no sizes runs the paused case alone (``python -m bench.burst --tasks --paused 20000``).
 
 Full profile: 100k and 1M (1M takes ~5 min to store here, ~3,300 tasks/s, and the run ~9 min in
-all; ``--tasks 100000`` skips it); ``--quick``: 20k and a paused 20k (CI, ~2 min).  Writes
+all; ``--tasks 100000`` skips it); ``--quick``: 20k, and a paused 20k beside 10k (CI, ~2 min).  Writes
 bench/results/burst-<time>.json, .md and .png (the default queue's lateness over due time, and the
 campaign's records on its topic over time), burst-<time>-paused.png (the paused queue's drain against
 its limit), the processes' logs in burst-<time>.logs/; a full run also as burst-latest.*.  Exits 1 when

@@ -30,12 +30,15 @@ storing time and its dispatch (first record, all records, tasks/s); PING p99/max
 Last, the **paused** case: queue ``bulk`` paused and limited to :data:`PAUSED_RATE` tasks/s
 (``delayed_queue_rates``), :data:`PAUSED_POLLERS` pollers, ``--paused`` tasks on it all due at once
 and held :data:`PAUSED_HOLD` s past due: its records on its topic meanwhile (0 expected), then,
-resumed, its drain rate against the limit.
+resumed, its drain rate against the limit, while the same pollers dispatch a campaign of
+``--beside`` tasks of another queue (:data:`BESIDE`, no limit) due at the resume instant.
 
-    python -m bench.burst [--quick] [--tasks 100000 1000000] [--rate 20] [--paused 60000]
+    python -m bench.burst [--quick] [--tasks 100000 1000000] [--rate 20] [--paused 60000] [--beside 40000]
+
+``--tasks`` with no sizes runs the paused case alone (``python -m bench.burst --tasks --paused 20000``).
 
 Full profile: 100k and 1M (1M takes ~5 min to store here, ~3,300 tasks/s, and the run ~9 min in
-all; ``--tasks 100000`` skips it); ``--quick``: 20k and a paused 20k (CI, ~2 min).  Writes
+all; ``--tasks 100000`` skips it); ``--quick``: 20k, and a paused 20k beside 10k (CI, ~2 min).  Writes
 bench/results/burst-<time>.json, .md and .png (the default queue's lateness over due time, and the
 campaign's records on its topic over time), burst-<time>-paused.png (the paused queue's drain against
 its limit), the processes' logs in burst-<time>.logs/; a full run also as burst-latest.*.  Exits 1 when
@@ -44,6 +47,7 @@ a default-queue task was not run, a paused task reached its topic before resume,
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import shutil
@@ -56,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -71,11 +76,14 @@ from celery_delayed import store_of
 from celery_delayed.kafka import ensure_topics
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import TOKEN_BURST_S
 from tasks.processes import Processes, wait_for
 
 console = Console(width=None if Console().is_terminal else 160)
 #: The campaign's queue (no worker reads it).
 BULK = "bulk"
+#: The paused case's other queue, not limited: its campaign is due when the paused queue resumes.
+BESIDE = "beside"
 #: Store partitions, as config/ has them.
 PARTITIONS = 8
 #: The other queue's tasks are due from T - BEFORE to T + AFTER (s).
@@ -197,12 +205,14 @@ def run_case(n: int, opts: argparse.Namespace, progress: Progress, logdir: Path)
         remove_everything(settings, [settings.topic(BULK)])
 
 
-def run_paused_case(n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
+def run_paused_case(n: int, beside: int, progress: Progress, logdir: Path) -> dict[str, Any]:
     """A campaign of ``n`` tasks on a paused queue limited to :data:`PAUSED_RATE` tasks/s, all due at
     once, :data:`PAUSED_POLLERS` pollers: records on its topic while it stays paused
     :data:`PAUSED_HOLD` s past due (none may come), then, resumed, how fast it drains (the slope of
-    its records between a tenth and nine tenths of them, after the bucket's first quarter second)."""
-    label = f"paused {n:,}, resumed at {PAUSED_RATE:,}/s"
+    its records between a tenth and nine tenths of them, after the bucket's first quarter second),
+    while the same pollers dispatch ``beside`` tasks of queue :data:`BESIDE` due at the resume instant
+    (the limit must hold for a poller busy with another queue, issue 41)."""
+    label = f"paused {n:,}, resumed at {PAUSED_RATE:,}/s" + (f", {beside:,} of {BESIDE} due then" if beside else "")
     overrides = {**new_overrides(partitions=PARTITIONS), "delayed_queue_rates": {BULK: PAUSED_RATE}}
     settings = Settings.from_conf(overrides)
     procs = Processes(logdir / "paused", overrides, app="bench.compare_app")
@@ -218,36 +228,70 @@ def run_paused_case(n: int, progress: Progress, logdir: Path) -> dict[str, Any]:
             log = next(log for p, log in procs.procs if p is proc)
             wait_for(lambda log=log: any(c["partitions"] for c in leadership_changes(log, 0)), 60,
                      "every poller to lead store partitions")
-        ensure_topics(settings, [BULK])
+        ensure_topics(settings, [BULK, BESIDE])
         parts = topic_partitions(settings, settings.topic(BULK))
-        due = time.time() + settings.min_delay + CUTOFF + n / 2000  # apply_many stores ~4,000/s here
+        beside_parts = topic_partitions(settings, settings.topic(BESIDE))
+        due = time.time() + settings.min_delay + CUTOFF + (n + beside) / 1000  # apply_many stores 1,300-4,000/s here
+        until = due - settings.min_delay - CUTOFF  # later ones would go to the broker
         seconds, stored = send(app, uuid.uuid4().hex[:8], n, due, 0.0, progress, f"{label}: store", queue=BULK,
-                               until=due - settings.min_delay - CUTOFF)  # later ones would go to the broker
-        wait_for(lambda: time.time() >= due + PAUSED_HOLD, PAUSED_HOLD + n / 1000 + 10, "the pause to be held")
+                               until=until)
+        _, beside_stored = send(app, uuid.uuid4().hex[:8], beside, due + PAUSED_HOLD, 0.0, progress,
+                                f"{label}: store {BESIDE}", queue=BESIDE, until=until)
+        wait_for(lambda: time.time() >= due + PAUSED_HOLD, due + PAUSED_HOLD - time.time() + 10, "the pause to be held")
         while_paused = high_watermark(consumer, settings.topic(BULK), parts)
         store.resume(BULK)
         resumed = time.time()
         timeline: list[tuple[float, int]] = []
+        beside_timeline: list[tuple[float, int]] = []
         draining = progress.add_task(f"{label}: drain", total=stored)
-        while not timeline or timeline[-1][1] < stored:
+        while not timeline or timeline[-1][1] < stored or beside_timeline[-1][1] < beside_stored:
             procs.check_alive()
             if time.time() - resumed > 2 * stored / PAUSED_RATE + 30:
-                raise RuntimeError(f"only {timeline[-1][1]:,} of {stored:,} on {settings.topic(BULK)} after resume")
-            timeline.append((round(time.time() - resumed, 3), high_watermark(consumer, settings.topic(BULK), parts)))
+                raise RuntimeError(f"only {timeline[-1][1]:,} of {stored:,} on {settings.topic(BULK)} and "
+                                   f"{beside_timeline[-1][1]:,} of {beside_stored:,} on {settings.topic(BESIDE)} "
+                                   "after resume")
+            at = round(time.time() - resumed, 3)
+            timeline.append((at, high_watermark(consumer, settings.topic(BULK), parts)))
+            beside_timeline.append((at, high_watermark(consumer, settings.topic(BESIDE), beside_parts)))
             progress.update(draining, completed=timeline[-1][1])
             time.sleep(SAMPLE_S)
         progress.remove_task(draining)
-        low = next(t for t, k in timeline if k >= max(stored // 10, int(PAUSED_RATE * 0.25)))
-        high, high_k = next((t, k) for t, k in timeline if k >= stored * 9 // 10)
-        low_k = next(k for t, k in timeline if t == low)
+        # rates by when the pollers produced each record, not by when Kafka showed it (a campaign's
+        # records ahead of them in the producer's queue would hold the limited queue's back, then all at once)
+        limited = [at - resumed for at in _produced(consumer, settings.topic(BULK), parts, stored)]
+        other = [at - resumed for at in _produced(consumer, settings.topic(BESIDE), beside_parts, beside_stored)]
+        burst = int(PAUSED_RATE * TOKEN_BURST_S)  # the bucket's first tokens, there at once
+        low, high = max(stored // 10, burst), stored * 9 // 10
+        # while the other queue's campaign went: from resume until its last record, less the bucket's first
+        # tokens (a limit held exactly makes it the limit; counted from the burst's last record instead, the
+        # tokens earned while the burst was produced would count twice)
+        during = bisect.bisect(limited, other[-1]) - burst if other else 0
         return {"case": label, "paused": n, "stored": stored, "store_s": round(seconds, 1),
-                "records_while_paused": while_paused, "drain_s": timeline[-1][0],
-                "drain_per_s": round((high_k - low_k) / (high - low)), "rate": PAUSED_RATE,
-                "pollers": PAUSED_POLLERS, "timeline": timeline}
+                "records_while_paused": while_paused, "drain_s": next(t for t, k in timeline if k >= stored),
+                "drain_per_s": round((high - low) / (limited[high] - limited[low])), "rate": PAUSED_RATE,
+                "pollers": PAUSED_POLLERS, "beside": beside_stored,
+                "beside_s": next((t for t, k in beside_timeline if k >= beside_stored), None),
+                "beside_per_s": round(len(other) / (other[-1] - other[0])) if len(other) > 1 else None,
+                "drain_beside_per_s": round(during / other[-1]) if during > PAUSED_RATE / 2 else None,
+                "timeline": timeline, "beside_timeline": beside_timeline}
     finally:
         procs.stop_all()
         consumer.close()
-        remove_everything(settings, [settings.topic(BULK)])
+        remove_everything(settings, [settings.topic(BULK), settings.topic(BESIDE)])
+
+
+def _produced(consumer: Consumer, topic: str, partitions: list[int], n: int) -> list[float]:
+    """When the pollers produced each of the ``n`` records on ``topic`` (their CreateTime, epoch s), sorted."""
+    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+    stamps: list[float] = []
+    deadline = time.time() + 60
+    while len(stamps) < n and time.time() < deadline:
+        stamps += [record.timestamp()[1] / 1000 for record in consumer.consume(10_000, timeout=1.0)
+                   if not record.error()]
+    consumer.unassign()
+    if len(stamps) < n:
+        raise RuntimeError(f"only {len(stamps):,} of {n:,} records read back from {topic}")
+    return sorted(stamps)
 
 
 def _store(out: dict[str, Any], app: Any, run: str, n: int, due: float, progress: Progress, label: str) -> None:
@@ -319,18 +363,28 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
 def paused_report(result: dict[str, Any]) -> str:
     """The paused case as Markdown (also printed)."""
     head = ["case", "stored: tasks in s", "records on its topic while paused", "drain after resume: tasks/s (vs limit)",
-            "all on its topic after resume, s"]
+            "all on its topic after resume, s", f"{BESIDE}, due at resume: all on its topic after, s (produced/s)",
+            f"drain while {BESIDE} went: tasks/s (vs limit)"]
+    beside = f"{result['beside_s']} ({result['beside_per_s']:,})" if result.get("beside_per_s") else "—"
+    during = result.get("drain_beside_per_s")
     row = [result["case"], f"{result['stored']:,} in {result['store_s']} s", f"{result['records_while_paused']:,}",
-           f"{result['drain_per_s']:,} ({result['drain_per_s'] / result['rate'] - 1:+.1%})", f"{result['drain_s']}"]
+           _against(result["drain_per_s"], result["rate"]), f"{result['drain_s']}", beside,
+           _against(during, result["rate"]) if during else "—"]
     title = (f"bench.burst: a paused queue ({BULK}, limited to {result['rate']:,} tasks/s), its tasks all due at once, "
              f"{result['pollers']} pollers; resumed {PAUSED_HOLD:g} s after they were due")
     table = Table(*head, title=title)
     table.add_row(*row)
     console.print(table)
-    notes = ("Drain: the slope of its topic's records (high watermarks, every "
-             f"{SAMPLE_S * 1000:.0f} ms) between a tenth and nine tenths of them, once the token bucket's first "
-             "quarter second is spent; the limit is one token bucket in Redis that both pollers draw on.")
+    notes = ("Drain: its records produced a second (by their CreateTime, when a poller produced them) between "
+             "a tenth and nine tenths of them, once the token bucket's first quarter second is spent; while "
+             f"{BESIDE} went: from resume until {BESIDE}'s last record, less the bucket's first quarter second.  "
+             f"All on its topic: by the topics' high watermarks, every {SAMPLE_S * 1000:.0f} ms.  The limit is one "
+             "token bucket in Redis that both pollers draw on.")
     return "\n".join([f"### {title}", "", _markdown(head, [row]), "", notes]) + "\n"
+
+
+def _against(rate: int, limit: float) -> str:
+    return f"{rate:,} ({rate / limit - 1:+.1%})"
 
 
 def paused_plot(result: dict[str, Any], path: Path) -> Path:
@@ -344,6 +398,9 @@ def paused_plot(result: dict[str, Any], path: Path) -> Path:
             label=f"records on {BULK}'s topic: {result['drain_per_s']:,}/s")
     end = result["timeline"][-1][0]
     ax.plot([0, end], [0, end * result["rate"]], "--", color="grey", label=f"the limit, {result['rate']:,}/s")
+    if result.get("beside_timeline"):
+        ax.plot([t for t, _ in result["beside_timeline"]], [k for _, k in result["beside_timeline"]],
+                label=f"records on {BESIDE}'s topic (no limit, due at resume)")
     ax.set(title=f"{result['case']}: {result['records_while_paused']} records while paused",
            xlabel="seconds after resume", ylabel="records")
     return save_figure(fig, (ax,), path)
@@ -385,16 +442,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.burst", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a campaign of 20,000 (CI, ~2 min)")
-    parser.add_argument("--tasks", type=int, nargs="+", default=[100_000, 1_000_000],
-                        help="campaign sizes, one case each after the baseline (default 100000 1000000)")
+    parser.add_argument("--tasks", type=int, nargs="*", default=[100_000, 1_000_000],
+                        help="campaign sizes, one case each after the baseline (default 100000 1000000; "
+                             "none: the paused case alone)")
     parser.add_argument("--rate", type=float, default=20.0, help="the default queue's tasks sent a second")
     parser.add_argument("--paused", type=int, default=60_000,
                         help="tasks of the paused, rate-limited case (0: none; default 60000, --quick 20000)")
+    parser.add_argument("--beside", type=int, default=40_000,
+                        help=f"tasks of queue {BESIDE} due when the paused case resumes (default 40000, "
+                             "--quick 10000)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="wait this long past the last due time (plus 1 s per 20,000 campaign tasks)")
     opts = parser.parse_args(argv)
     if opts.quick:
-        opts.tasks, opts.paused = [20_000], 20_000
+        opts.tasks, opts.paused, opts.beside = [20_000], 20_000, 10_000
     if any(n < 1 or n > 2_000_000 for n in opts.tasks):
         parser.error("--tasks: each between 1 and 2,000,000")
     return opts
@@ -412,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         logdir = base.with_suffix(".logs")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
-            for n in [0, *opts.tasks]:
+            for n in [0, *opts.tasks] if opts.tasks else []:
                 try:
                     results.append(run_case(n, opts, progress, logdir))
                 except (RuntimeError, AssertionError) as exc:  # the other cases still run
@@ -421,21 +482,22 @@ def main(argv: list[str] | None = None) -> int:
             paused = None
             if opts.paused:
                 try:
-                    paused = run_paused_case(opts.paused, progress, logdir)
+                    paused = run_paused_case(opts.paused, opts.beside, progress, logdir)
                 except (RuntimeError, AssertionError) as exc:
                     failed.append(f"paused {opts.paused:,}: {exc}")
                     console.print(f"[red]failed[/]: {failed[-1]}")
-        table = report(results, opts, found) + (f"\n{paused_report(paused)}" if paused else "") \
+        table = (report(results, opts, found) if results else "") + (f"\n{paused_report(paused)}" if paused else "") \
             + "".join(f"\nFailed: {f}\n" for f in failed)
         wall = round(time.monotonic() - began)
         base.with_suffix(".md").write_text(table + f"\nWall time: {wall} s.\n")
         base.with_suffix(".json").write_text(json.dumps(
             {"versions": found, "git": git_state(), "options": vars(opts), "wall_s": wall, "failed": failed,
              "results": results, "paused": paused}, indent=1, default=str))
-        plot(results, base.with_suffix(".png"))
+        if results:
+            plot(results, base.with_suffix(".png"))
         if paused:
             paused_plot(paused, base.parent / f"{base.name}-paused.png")
-        if not opts.quick:
+        if not opts.quick and results:  # a full run
             for suffix in (".md", ".json", ".png"):
                 shutil.copyfile(base.with_suffix(suffix), RESULTS / f"burst-latest{suffix}")
             if paused:

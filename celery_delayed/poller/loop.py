@@ -5,9 +5,10 @@ fencing token) -> produce each message to its queue's topic (key = task_id) ->
 on Kafka's delivery report, ack (forget) or nack (due again): :mod:`.delivery`.
 Claims, acks and nacks run on one store thread, in the order they are made, so
 Redis claims the next partition while this thread produces the one before, and no
-ack holds the loop up.  Each round obeys the paused queues and takes the tokens of
-the rate-limited ones from Redis, shared by every poller.  It sleeps until the
-next due time, woken early by a ``PUBLISH`` from the schedule script.  A crash
+ack holds the loop up.  Each round obeys the paused queues and takes from Redis the
+tokens, shared by every poller, of the rate-limited queues its partitions have due
+tasks of.  It sleeps until the next due time, woken early by a ``PUBLISH`` from the
+schedule script.  A crash
 anywhere leaves claimed tasks in the inflight set, and they become due again
 after the visibility timeout: duplicates are possible, loss is not.
 """
@@ -45,7 +46,8 @@ LEADERSHIP_INTERVAL = 0.5
 #: How old (s) the paused queues and queue rates this poller obeys may be; a wake-up reads them
 #: again at once.
 CONTROLS_REFRESH = 1.0
-#: How soon (ms) a partition whose rate-limited queue ran out of tokens with tasks due is claimed again.
+#: How soon (ms) a partition whose rate-limited queue ran out of tokens with tasks due is claimed again
+#: (at once when the claim held none of that queue's tokens, not knowing the partition had its tasks).
 THROTTLED_RETRY_MS = 50
 
 
@@ -110,6 +112,9 @@ class Poller:
         self._rates: dict[str, float] = dict(settings.queue_rates)  # queue -> most tasks a second
         self._controls_read = -CONTROLS_REFRESH  # when both were last read (monotonic s)
         self._controls_known: bool | None = None  # whether that read succeeded (None: not read yet)
+        # partition -> the rate-limited queues its last claim took tasks of or was throttled on: the
+        # queues whose tokens a round claiming it takes (absent: none known)
+        self._demand: dict[int, frozenset[str]] = {}
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> None:
@@ -190,8 +195,9 @@ class Poller:
         self._rotation = (self._rotation + 1) % max(len(owned), 1)  # a rate limit must not starve the last ones
         due = [(partition, token) for partition, token in owned[self._rotation:] + owned[:self._rotation]
                if sweep or self._next_due.get(partition, 0) <= horizon_ms]
-        tokens = self._take_tokens(len(due))
-        for partition, token, budget, claim in self._claims(due, tokens):
+        wanted = Counter(queue for partition, _ in due for queue in self._demand.get(partition, ()))
+        tokens = self._take_tokens(wanted)
+        for partition, token, budget, claim in self._claims(due, tokens, wanted):
             if isinstance(claim, Fenced):
                 self.stats.add("fenced")
                 logger.warning("%s: stop dispatching it", claim)
@@ -206,8 +212,12 @@ class Poller:
                 produced += self.delivery.produce(partition, task_id, claim.stamp, due_ms, data,
                                                   [(DUE_HEADER, str(due_ms)), claimed])
             full = len(claim.items) >= budget
-            # throttled: due as a task due a retry from now (a partition is claimed dispatch_lead ahead)
-            retry = claim.now_ms + THROTTLED_RETRY_MS + self.settings.dispatch_lead * 1000 if claim.throttled else NEVER
+            unforeseen = claim.throttled - self._demand.get(partition, frozenset())  # it held no tokens of these
+            self._demand[partition] = claim.throttled | (claim.taken.keys() & self._rates.keys())
+            # throttled: due as a task due a retry from now (a partition is claimed dispatch_lead ahead),
+            # at once when a queue it was throttled on was not known to be due there (it held none of its tokens)
+            retry = (NEVER if not claim.throttled else claim.now_ms if unforeseen
+                     else claim.now_ms + THROTTLED_RETRY_MS + self.settings.dispatch_lead * 1000)
             if self._wake_ups == wake_ups:  # else a sooner task may have come since the claim read its next one
                 self._next_due[partition] = claim.now_ms if full else min(claim.next_due_ms or NEVER, retry)
         self._give_back(tokens)
@@ -229,16 +239,19 @@ class Poller:
             self.delivery.drop(partition, task_id, claim.stamp)
         return goes
 
-    def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int]
+    def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int], wanted: Counter[str]
                 ) -> Iterator[tuple[int, int, int, Claim | Fenced]]:
         """``(partition, token, budget, claim or its Fenced refusal)`` of each due partition, in order.
 
         The next partition's claim is sent to the store thread before this one's
-        tasks are handed back, so Redis claims while the caller produces.  A claim
-        may spend every token in ``tokens`` (queue -> tokens held); they are kept
-        for it until it returns, and what it left goes to the next.  A store
-        error (down, read-only after a failover...) ends the round: what was
-        already claimed is still handed back, nothing more is asked.
+        tasks are handed back, so Redis claims while the caller produces.  So a
+        claim may spend a share of the tokens in ``tokens`` (queue -> tokens held)
+        of each queue its partition has due tasks of, one of as many shares as
+        ``wanted`` (queue -> such partitions still to claim) counts, none of the
+        others; they are kept for it until it returns, and what it left goes to
+        the later ones.  A store error (down, read-only after a failover...) ends
+        the round: what was already claimed is still handed back, nothing more
+        is asked.
         """
         due = iter(due)
         ahead: deque[tuple[int, int, int, dict[str, int], Future]] = deque()
@@ -249,8 +262,12 @@ class Poller:
             budget = int(min(self.settings.claim_batch, self._limit.available() - reserved))
             if budget >= 1 and (nxt := next(due, None)):
                 partition, token = nxt
-                caps = dict(tokens)
-                tokens.update(dict.fromkeys(caps, 0))
+                demand = self._demand.get(partition, frozenset())
+                caps = {queue: math.ceil(held / wanted[queue]) if queue in demand else 0
+                        for queue, held in tokens.items()}
+                for queue, cap in caps.items():
+                    tokens[queue] -= cap
+                wanted.subtract(demand)
                 ahead.append((partition, token, budget, caps, self._store_thread.submit(
                     self.store.claim, partition, token, budget, self._paused, caps)))
 
@@ -272,14 +289,19 @@ class Poller:
             if claim is not None:
                 yield partition, token, budget, claim
 
-    def _take_tokens(self, partitions: int) -> dict[str, int]:
-        """The tokens this round may spend, queue -> tokens, of each rate-limited queue (shared by
-        every poller, ``lua/tokens.lua``): at most a claim's worth per partition to claim."""
+    def _take_tokens(self, wanted: Counter[str]) -> dict[str, int]:
+        """The tokens this round may spend, queue -> tokens, of each rate-limited queue not paused
+        (shared by every poller, ``lua/tokens.lua``): a claim's worth per partition to claim that
+        holds its due tasks (``wanted``), at most, and none without one, so that the bucket is left
+        to the pollers that have its tasks (a claim capped to 0 says when one has due tasks, and is
+        made again at once).  A paused queue has no cap: its pause closes it."""
         tokens = {}
         for queue, rate in self._rates.items():
+            if queue in self._paused:
+                continue
             try:
-                tokens[queue] = self.store.take_tokens(queue, rate, self.settings.claim_batch * partitions) \
-                    if partitions else 0
+                tokens[queue] = self.store.take_tokens(queue, rate, self.settings.claim_batch * wanted[queue]) \
+                    if wanted[queue] else 0
             except STORE_ERRORS as exc:  # none then: the claims fail too
                 logger.warning("cannot take tokens of queue %s: %s", queue, exc)
                 tokens[queue] = 0

@@ -71,7 +71,7 @@ class Claim:
     stamp: int  # names this claim's copies to ack and nack (their visibility deadline, ms)
     items: list[tuple[str, int, bytes]]  # (task_id, due_ms, envelope)
     taken: Counter[str] = field(default_factory=Counter)  # tasks per lane (layout.lane_of): what caps are spent by
-    throttled: bool = False  # a capped queue spent its cap with tasks still due
+    throttled: frozenset[str] = frozenset()  # the capped queues that spent their caps with tasks still due
 
 
 class DelayedStore(Inspection):
@@ -276,7 +276,8 @@ class DelayedStore(Inspection):
     def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = (),
               caps: dict[str, int] | None = None) -> Claim:
         """Move up to ``limit`` tasks of ``partition`` due within ``delayed_dispatch_lead`` to inflight
-        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s.
+        and return them: none of the ``paused`` queues', at most ``caps[q]`` of queue ``q``'s (the
+        claim's ``throttled`` names each capped queue, not paused, left with due tasks).
 
         A claim that raised before its tasks were read (its reply lost after Redis ran it) left them
         in flight: the next claim of ``partition`` sends its request id again and gets them too, rather
@@ -304,7 +305,8 @@ class DelayedStore(Inspection):
             taken[lane] += 1
             items.append((task_id_of(member), int(float(due_ms)), envelope))
         del self._unread_claims[partition]
-        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken, bool(reply[3]))
+        return Claim(now_ms, None if next_due < 0 else next_due, stamp, items, taken,
+                     frozenset(lane.decode() for lane in reply[3]))
 
     def _read_claimed(self, partition: int, members: list[bytes]) -> tuple[list, list]:
         """The stored messages of tasks a claim moved to inflight, then their inflight stamps: read in

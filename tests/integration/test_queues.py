@@ -8,13 +8,50 @@ import time
 
 import pytest
 
+from celery_delayed.poller.leadership import Leadership
+from celery_delayed.poller.loop import Poller
+from celery_delayed.sandbox import running
 from celery_delayed.settings import Settings
-from celery_delayed.store.delayed import TOKEN_BURST_S, DelayedStore
+from celery_delayed.store.delayed import TOKEN_BURST_S, Claim, DelayedStore
 
 from .support import TopicReader, envelopes, leaders, wait_for, wait_for_wake_up
 from .test_poller import now_ms
 
 pytestmark = pytest.mark.cluster_too
+
+
+class Recording(DelayedStore):
+    """The real store, noting each claim (its caps and what it returned) and each take of tokens
+    (``want`` > 0: what it got), in order, as ``("claim", caps, claim)`` and ``("take", queue, got)``."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.events: list[tuple] = []
+
+    def claim(self, partition: int, token: int, limit: int, paused=(), caps=None) -> Claim:
+        claim = super().claim(partition, token, limit, paused, caps)
+        self.events.append(("claim", dict(caps or {}), claim))
+        return claim
+
+    def take_tokens(self, queue: str, rate: float, want: int) -> int:
+        got = super().take_tokens(queue, rate, want)
+        if want > 0:
+            self.events.append(("take", queue, got))
+        return got
+
+    def claims(self) -> list[tuple[dict, Claim]]:
+        return [(caps, claim) for kind, caps, claim in self.events if kind == "claim"]
+
+    def takes(self, queue: str) -> list[int]:
+        return [got for kind, name, got in self.events if kind == "take" and name == queue]
+
+
+def leading_poller(settings: Settings) -> tuple[Recording, Poller]:
+    """A recording store and an in-process poller (not running) leading every partition (as long as
+    ``delayed_lease_ttl`` allows: no thread keeps it)."""
+    store, leader = Recording(settings), Leadership(settings)
+    assert len(leader.step()) == settings.partitions
+    return store, Poller(settings, store=store, leadership=leader)
 
 
 def test_a_paused_queue_gives_no_task_and_no_due_time_to_a_claim_until_it_is_resumed(overrides):
@@ -25,8 +62,9 @@ def test_a_paused_queue_gives_no_task_and_no_due_time_to_a_claim_until_it_is_res
     store.schedule_many(envelopes(2, "other", now - 1000, prefix="other"))
     store.schedule_many(envelopes(1, "other", now + 60_000, prefix="later"))
 
-    claim = store.claim(0, token=1, limit=100, paused=store.paused())
+    claim = store.claim(0, token=1, limit=100, paused=store.paused(), caps={"bulk": 0})
     assert sorted(item[0] for item in claim.items) == ["other-0", "other-1"]
+    assert not claim.throttled  # paused, it has no tokens to wait for: the poller need not come back
     assert claim.next_due_ms == now + 60_000  # not bulk's overdue tasks: the poller may sleep till then
     rows = {row["queue"]: row for row in store.queues()}
     assert rows["bulk"]["overdue"] == 50 and rows["bulk"]["paused_since_ms"] is not None
@@ -46,9 +84,10 @@ def test_a_capped_queue_gives_at_most_its_cap_and_the_claim_says_it_has_more_due
     store.schedule_many(envelopes(50, "bulk", now - 60_000, prefix="bulk"))
     store.schedule_many(envelopes(2, "other", now - 1000, prefix="other"))
     store.schedule_many(envelopes(1, "other", now + 60_000, prefix="later"))
-    claim = store.claim(0, token=1, limit=100, caps={"bulk": 10})
+    claim = store.claim(0, token=1, limit=100, caps={"bulk": 10, "other": 5})
     ids = [item[0] for item in claim.items]
-    assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids) and claim.throttled
+    assert len(ids) == 12 and {"other-0", "other-1"} <= set(ids)
+    assert claim.throttled == {"bulk"}  # other's cap was not all spent: not throttled
     assert claim.taken == {"bulk": 10, "other": 2}  # what the poller gives back of the tokens it held
     assert claim.next_due_ms == now + 60_000  # bulk is due, but closed for this claim
     assert store.claim(0, token=1, limit=100, caps={"bulk": 0}).items == []
@@ -178,3 +217,81 @@ def test_a_paused_queue_stays_in_the_store_through_a_poller_kill_and_a_restart_t
     wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30, "the store to be empty")
     held.close()
     other.close()
+
+
+def test_each_claim_of_a_round_gets_a_share_of_its_tokens_not_the_first_all_of_them(overrides):
+    """Issue 41 item 8: a round's next claim is sent before the one before it returns, and the first
+    was given every token the round held, so the second read none and was throttled (every second
+    claim of a round: its partition waited 50 ms for tokens the round still held).  Each claim now
+    gets a share, as many shares as the round's partitions with the queue's due tasks."""
+    bulk = f"{overrides['task_default_queue']}-bulk"
+    settings = Settings.from_conf(overrides, partitions=4, lease_ttl=30, queue_rates={bulk: 1000})
+    store, poller = leading_poller(settings)
+    store.schedule_many(envelopes(400, bulk, now_ms() - 1000, prefix="bulk"))
+    starved, throttled, produced = [], 0, 0
+    for _ in range(200):
+        store.events.clear()
+        produced += poller.tick()
+        took = sum(store.takes(bulk))
+        for caps, claim in store.claims():
+            throttled += bool(claim.throttled)
+            if claim.throttled and not caps.get(bulk) and took >= settings.partitions:
+                starved.append((took, caps, len(claim.items)))
+        if produced >= 400:
+            break
+        time.sleep(0.06)  # a throttled partition is due again 50 ms on
+    poller.leadership.release()
+    print(f"\n{throttled} claims throttled, {len(starved)} of them given no token of a round holding some")
+    assert produced == 400
+    assert not starved, f"claims given no token by a round holding one a partition or more: {starved[:5]}"
+
+
+def test_a_poller_draws_no_tokens_of_a_limited_queue_none_of_its_partitions_has_due(overrides):
+    """Issue 41 item 8: every round took a limited queue's whole bucket (and gave it back at its end),
+    even on a poller whose partitions held none of its due tasks, leaving it empty for the pollers that
+    had them.  Tokens are now taken for the queues a partition's last claim found due there; a
+    partition's first task of such a queue makes its claim throttled, and it is claimed again at once
+    with tokens, not 50 ms later."""
+    queue, bulk = overrides["task_default_queue"], f"{overrides['task_default_queue']}-bulk"
+    settings = Settings.from_conf(overrides, partitions=2, lease_ttl=30, dispatch_lead=0,
+                                  queue_rates={bulk: 1000})
+    store, poller = leading_poller(settings)
+    later = now_ms() + 3000  # past a sweep or two, however slow this machine is
+    store.schedule_many(envelopes(1, bulk, later, prefix="bulk"))
+    store.schedule_many(envelopes(10, queue, now_ms() - 1000))
+    produced = 0
+    while now_ms() < later:  # the other queue's tasks go; a sweep a second claims each partition
+        produced += poller.tick()
+        time.sleep(0.05)
+    assert produced == 10
+    assert store.takes(bulk) == [], "tokens taken of a queue no partition had due"
+    time.sleep(0.1)  # bulk's task due (a claim reads Redis' clock)
+    produced = poller.tick() + poller.tick()  # the claim that finds it, and the one right after
+    poller.leadership.release()
+    assert produced == 1, "the limited queue's first task waited"
+
+
+def test_a_paused_limited_queue_costs_no_more_claims_than_a_paused_one(overrides):
+    """Issue 41 item 8: a paused queue's lane was capped too, every second claim of a round to 0
+    tokens, and the claim said it throttled: its partition was claimed again every 50 ms while the
+    queue stayed paused, taking its tokens each round.  A paused queue now draws no tokens and is
+    never throttled: the same claims as without its limit (a sweep a second)."""
+    bulk = f"{overrides['task_default_queue']}-bulk"
+    settings = Settings.from_conf(overrides, partitions=4)
+    store = Recording(settings)
+    store.schedule_many(envelopes(100, bulk, now_ms() - 1000, prefix="bulk"))
+    assert store.pause(bulk)
+    claims = {}
+    for limited in (False, True):
+        if limited:
+            store.set_rate(bulk, 1000)
+        store.events.clear()
+        with running(Poller(settings, store=store)):
+            time.sleep(3)
+        claims[limited] = [claim for _, claim in store.claims()]
+        assert not any(claim.items for claim in claims[limited])
+    throttled = sum(bool(claim.throttled) for claim in claims[True])
+    print(f"\nclaims in 3 s of a paused queue's partitions: {len(claims[False])}, limited too: {len(claims[True])} "
+          f"({throttled} throttled); its tokens taken {len(store.takes(bulk))} times")
+    assert not throttled and store.takes(bulk) == [], "a paused queue waited for tokens"
+    assert len(claims[True]) <= len(claims[False]) + settings.partitions  # a sweep more at most: timing

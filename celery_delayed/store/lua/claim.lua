@@ -10,11 +10,12 @@
 -- a lane, due tasks are taken bucket by bucket in its index's order; a bucket left
 -- with tasks gets its new earliest due time in the index, an emptied one leaves it.
 -- A paused lane (a paused queue) gives nothing, and its due time is not the
--- partition's next: its tasks wait in the store until it is resumed. A capped lane
--- (a rate-limited queue: the tokens its poller holds) gives at most its cap; once
--- that is spent, it is closed for the rest of the claim, and the reply says whether
--- it still had due tasks (throttled): the poller comes back when it has tokens again.
--- Its next task not yet due is the partition's next due time as any lane's is.
+-- partition's next: its tasks wait in the store until it is resumed; it is never
+-- throttled, capped or not. A capped lane (a rate-limited queue: the tokens its poller
+-- holds, 0 for none) gives at most its cap; once that is spent, it is closed for the
+-- rest of the claim, and the reply names it if it still had due tasks (throttled): the
+-- poller comes back when it has tokens for it. Its next task not yet due is the
+-- partition's next due time as any lane's is.
 -- Each claim comes with a request id, recorded with its stamp. A claim whose reply was lost
 -- is sent again with the same id (DelayedStore.claim): when it is still the partition's last
 -- claim, its tasks still in flight are due again at once (not after the visibility timeout),
@@ -27,7 +28,7 @@
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms   ARGV[7] request id
 -- ARGV[8] number of paused lanes n   ARGV[9 .. 8 + n] the paused lanes   then pairs: lane, cap
--- Returns {now_ms, next_due_ms or -1, stamp, throttled (1/0), id, due_ms, id, due_ms, ...}; fails with
+-- Returns {now_ms, next_due_ms or -1, stamp, {throttled lane, ...}, id, due_ms, id, due_ms, ...}; fails with
 -- FENCED when a newer leader has claimed this partition. The messages are not in the reply: the client
 -- reads them with HMGET, then ZMSCORE (DelayedStore.claim), and keeps those still in flight under this
 -- claim's stamp, as no write changes a message while it is (each write that replaces or removes one
@@ -90,7 +91,7 @@ last = tonumber(last)
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
 redis.call('SET', stamp_key, deadline)
 redis.call('SET', claim_key, request .. ' ' .. deadline)
-local out = {now, -1, deadline, 0}
+local out = {now, -1, deadline, {}}
 
 -- Claim up to `most` due tasks of lane `lane`; returns how many ids it took.
 local function take(lane, most)
@@ -155,14 +156,16 @@ while left > 0 and #open > 0 do
 end
 
 -- a capped lane closed with tasks still due is throttled; one whose next task is not due
--- yet gives its due time, as an open lane does (a paused one never does)
+-- yet gives its due time, as an open lane does (a paused one does neither)
 for lane, cap in pairs(caps) do
-  local head = not gone[lanes] and redis.call('ZSCORE', lanes, lane)
-  if cap <= 0 and head and tonumber(head) <= horizon then
-    out[4] = 1
-  elseif cap <= 0 and not paused[lane] then
-    closed[lane] = nil
-    shut = shut - 1
+  if cap <= 0 and not paused[lane] then
+    local head = not gone[lanes] and redis.call('ZSCORE', lanes, lane)
+    if head and tonumber(head) <= horizon then
+      table.insert(out[4], lane)
+    else
+      closed[lane] = nil
+      shut = shut - 1
+    end
   end
 end
 out[2] = earliest_due(lanes, index, closed, shut) or -1

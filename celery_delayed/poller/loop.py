@@ -14,6 +14,7 @@ after the visibility timeout: duplicates are possible, loss is not.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter, deque

@@ -78,3 +78,19 @@ def test_a_queues_rate_is_set_at_run_time_over_the_setting_and_reset_to_it(overr
     assert celery(overrides, "delayed", "rate", queue, "--reset").stdout.strip() == f"{queue}: at most 500 tasks/s"
     done = celery(overrides, "delayed", "rate", queue, "fast")
     assert done.returncode == 2 and "tasks a second, or off; got 'fast'" in done.stderr
+
+
+@pytest.mark.parametrize("env, shown", [
+    ({"DELAYED_KAFKA_SERVER": "127.0.0.1:9092"},
+     "unknown setting delayed_kafka_server: did you mean delayed_kafka_servers?"),
+    ({"DELAYED_PARTITION": "8"}, "unknown setting delayed_partition: did you mean delayed_partitions?"),
+])
+def test_a_misspelt_setting_stops_the_poller_naming_the_setting_meant(overrides, env, shown):
+    done = celery(overrides, "delayed", "poller", **env)
+    assert done.returncode == 1
+    assert f"Error: {shown} (delayed_allow_unknown_settings = True accepts it)" in done.stderr.splitlines()
+
+
+def test_unknown_settings_are_accepted_when_allowed(overrides):
+    done = celery(overrides, "delayed", "status", "--json", DELAYED_PARTITION="8", DELAYED_ALLOW_UNKNOWN_SETTINGS="True")
+    assert done.returncode == 0, done.stderr

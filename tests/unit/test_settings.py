@@ -53,6 +53,22 @@ def test_unknown_setting_is_refused():
         Settings.from_mapping({"partitons": 3})
 
 
+def test_a_misspelt_key_of_a_namespaced_django_configuration_is_refused_as_written(tmp_path, monkeypatch):
+    (tmp_path / "djsettings.py").write_text("CELERY_DELAYED_PARTITON = 8\nCELERY_DELAYED_KEY_PREFIX = 'x'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = Celery(set_as_current=False)
+    app.config_from_object("djsettings", namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "unknown setting CELERY_DELAYED_PARTITON: did you mean CELERY_DELAYED_PARTITIONS?")):
+        Settings.from_app(app)
+
+
+def test_celery_delayeds_own_defaults_and_celerys_keys_are_not_unknown():
+    app = Celery(set_as_current=False)
+    app.conf.update(delayed_partitions=4, broker_native_delayed_delivery_queue_type="quorum")
+    assert Settings.from_app(app).partitions == 4
+
+
 def test_lists_of_endpoints_are_accepted():
     s = Settings.from_mapping({"etcd_endpoints": ["http://a:1", "http://b:2"], "kafka_servers": ["a:1", "b:2"]})
     assert s.etcd_urls == ["http://a:1", "http://b:2"]

@@ -4,7 +4,7 @@ import re
 import pytest
 from celery import Celery
 
-from celery_delayed.kafka import consumer_config
+from celery_delayed.kafka import consumer_config, librdkafka_log
 from celery_delayed.settings import ConfigurationError, Settings, redact_url
 
 
@@ -115,7 +115,7 @@ def test_the_consumer_protocol_leaves_out_what_only_the_broker_may_set_and_says_
     with caplog.at_level("WARNING"):
         config = consumer_config(mine, **{"group.id": "g"})
     assert config == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "SSL", "group.id": "g",
-                      "group.protocol": "consumer"}
+                      "group.protocol": "consumer", "logger": librdkafka_log}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "session.timeout.ms" in warning and "partition.assignment.strategy" in warning
     assert consumer_config(Settings.from_mapping({"kafka_config": {"group.protocol": "classic"}}))[

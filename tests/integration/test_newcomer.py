@@ -69,7 +69,7 @@ def test_status_shows_the_pollers_and_the_partitions_each_leads(overrides, proce
 
 
 def test_a_queue_no_worker_reads_is_named_by_the_poller_and_status(overrides, monkeypatch, caplog):
-    monkeypatch.setattr(loop, "READERS_EVERY", 0.5)
+    monkeypatch.setattr(loop, "READERS_EVERY", 0.5, raising=False)  # raising: a test that fails on what it asserts
     queue = schedule_one_due_now(overrides)
     settings = Settings.from_conf(overrides)
     poller = Poller(settings)

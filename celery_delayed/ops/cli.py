@@ -41,6 +41,7 @@ from celery_delayed.store.inspection import MAX_PAGE, totals
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import iso_of
 from celery_delayed.store.outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
+from celery_delayed.store.records import is_revoked
 from celery_delayed.store.revoke import cancel_or_revoke
 
 console = Console()
@@ -230,9 +231,12 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
     task_id = _task_id_of(store, task_id, key)
     with _store_errors():
         info, now_ms = store.get(task_id), store.now_ms()
+        revoked = info is None and is_revoked(store, task_id)
+    if revoked:
+        raise click.ClickException(f"task {task_id} was cancelled or revoked: it will not run")
     if info is None:
-        raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, already "
-                                   "dispatched, or cancelled)")
+        raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, or already "
+                                   "dispatched)")
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -606,19 +610,23 @@ def dlq() -> None:
               help="Most dead letters shown, newest first.")
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
-    """The most recent dead letters: task, where and why they were parked, and when."""
+    """The most recent dead letters: task, where and why they were parked, and when (a table on a
+    terminal, else a line each with the whole task id; --json for scripts)."""
     letters = _dead_letters(ctx)
     with _dlq_errors():
         rows = [letter.describe() for letter in letters.list(limit)]
     if as_json:
         click.echo(json.dumps([{k: row[k] for k in LIST_FIELDS} for row in rows]))
         return
-    table = Table("task id", "task", "source", "reason", "attempts", "age",
-                  title=f"{len(rows)} of {letters.count()} dead letters")
-    now = time.time()
-    for row in rows:  # Text: reasons are shown as written, never read as rich markup
-        table.add_row(*(Text(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
-                                               row["attempts"], _age(now - row["timestamp"]))))
+    title, now = f"{len(rows)} of {letters.count()} dead letters", time.time()
+    cells = [[str(v) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]), row["attempts"],
+                               _age(now - row["timestamp"]))] for row in rows]
+    if not console.is_terminal:  # a pipe: a line per letter, its whole id to copy into `dlq requeue`
+        click.echo("\n".join([title, *("  ".join(line) for line in cells)]))
+        return
+    table = Table("task id", "task", "source", "reason", "attempts", "age", title=title)
+    for line in cells:  # Text: reasons are shown as written, never read as rich markup
+        table.add_row(*map(Text, line))
     console.print(table)
 
 
@@ -692,8 +700,12 @@ def purge(ctx: click.Context, task_id: str | None, every: bool, yes: bool) -> No
             raise _unknown(task_id)
         click.echo(f"purged {task_id}")
         return
-    if not yes:
-        click.confirm(f"Purge all {letters.count()} dead letters?", abort=True)
+    try:
+        go = yes or click.confirm(f"Purge all {letters.count()} dead letters?")
+    except click.Abort:  # no answer: stdin is not a terminal, or closed
+        go = False
+    if not go:
+        raise click.ClickException("nothing purged: pass --yes to purge every dead letter without asking")
     click.echo(f"purged {letters.purge_all()} dead letters")
 
 

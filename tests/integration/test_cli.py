@@ -94,3 +94,14 @@ def test_a_misspelt_setting_stops_the_poller_naming_the_setting_meant(overrides,
 def test_unknown_settings_are_accepted_when_allowed(overrides):
     done = celery(overrides, "delayed", "status", "--json", DELAYED_PARTITION="8", DELAYED_ALLOW_UNKNOWN_SETTINGS="True")
     assert done.returncode == 0, done.stderr
+
+
+def test_show_of_a_cancelled_task_says_it_was_cancelled(overrides):
+    store = DelayedStore(Settings.from_conf(overrides))
+    store.schedule_many(envelopes(1, overrides["task_default_queue"], int(time.time() * 1000) + 60_000))
+    assert celery(overrides, "delayed", "cancel", "task-0").stdout.strip() == "cancelled task-0"
+    done = celery(overrides, "delayed", "show", "task-0")
+    assert done.returncode == 1
+    assert "Error: task task-0 was cancelled or revoked: it will not run" in done.stderr.splitlines()
+    assert "no task with id other-id in the store (never scheduled, or already dispatched)" in celery(
+        overrides, "delayed", "show", "other-id").stderr

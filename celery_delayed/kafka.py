@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import enum
+import logging
+import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -29,6 +33,53 @@ class Verdict(enum.Enum):
     TRANSIENT = "transient"  # timeouts, outages, authorisation, unknown topic...: try the message again later
 
 
+#: Seconds between two of librdkafka's log lines of one facility (FAIL, ERROR...): a broker that
+#: cannot be reached makes it log each connection attempt, several a second.
+LIBRDKAFKA_LOG_EVERY = 30.0
+
+
+class _LibrdkafkaLog(logging.Filter):
+    """librdkafka's own log lines, as Python logging records: at most one per facility every
+    :data:`LIBRDKAFKA_LOG_EVERY` s (saying how many it held back), and at most WARNING, since the
+    client reconnects by itself and its caller says what fails for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()  # librdkafka logs from each client's poll, on any thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        facility = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(facility, -LIBRDKAFKA_LOG_EVERY) < LIBRDKAFKA_LOG_EVERY:
+                self._held[facility] += 1
+                return False
+            self._last[facility] = now
+            held = self._held.pop(facility, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it held back)"
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+#: Where librdkafka's log goes (instead of raw lines on stderr).
+librdkafka_log = logging.getLogger("celery_delayed.librdkafka")
+librdkafka_log.addFilter(_LibrdkafkaLog())
+
+
+def client_config(settings: Settings, defaults: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """A Kafka client's configuration (:meth:`Settings.kafka`), its log going to :data:`librdkafka_log`."""
+    return settings.kafka(defaults, logger=librdkafka_log, **extra)
+
+
+def address(settings: Settings) -> str:
+    """Where Kafka is looked for, and the setting that says so, for errors."""
+    return f"Kafka at {settings.kafka_servers} (delayed_kafka_servers)"
+
+
 def classify(err: KafkaError) -> Verdict:
     """The :class:`Verdict` on a Kafka error; a fatal producer error wins over the error's code."""
     if err.fatal() or err.code() == KafkaError._FATAL:
@@ -43,7 +94,7 @@ def make_producer(settings: Settings) -> Producer:
     claim's visibility deadline, so a task is not claimed again while its
     first delivery is still pending.
     """
-    return Producer(settings.kafka(**{
+    return Producer(client_config(settings, **{
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 2,
@@ -80,7 +131,7 @@ def group_protocol(settings: Settings, timeout: float = 10.0) -> str:
         logger.warning("librdkafka %s is older than %s: using the classic group protocol", libversion()[0],
                        ".".join(map(str, CONSUMER_PROTOCOL_LIBRDKAFKA)))
         return "classic"
-    admin = AdminClient(settings.kafka())
+    admin = AdminClient(client_config(settings))
     try:
         brokers = admin.list_topics(timeout=timeout).brokers
         resource = ConfigResource(ResourceType.BROKER, str(min(brokers)))
@@ -100,8 +151,8 @@ def consumer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
     delayed_kafka_config with one warning naming them, rather than failing every worker at start.
     """
     if group_protocol(settings) == "classic":
-        return settings.kafka(CLASSIC_DEFAULTS, **extra, **{"group.protocol": "classic"})
-    config = settings.kafka(**extra, **{"group.protocol": "consumer"})
+        return client_config(settings, CLASSIC_DEFAULTS, **extra, **{"group.protocol": "classic"})
+    config = client_config(settings, **extra, **{"group.protocol": "consumer"})
     refused = [name for name in BROKER_SIDE if name in config]
     if refused:
         logger.warning("Kafka's consumer group protocol sets %s on the broker (group.consumer.*): "
@@ -111,7 +162,7 @@ def consumer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
 
 def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30.0) -> None:
     """Create the ready topics of ``queues`` that do not exist yet (existing ones are kept)."""
-    admin = AdminClient(settings.kafka())
+    admin = AdminClient(client_config(settings))
     wanted = {settings.topic(q) for q in queues}
     existing = set(admin.list_topics(timeout=timeout).topics)
     missing = sorted(wanted - existing)
@@ -144,7 +195,7 @@ def consumer_lag(settings: Settings, timeout: float = 5.0) -> dict[str, int]:
     offsets only).  Not AdminClient.list_consumer_group_offsets: confluent-kafka
     2.16 crashes the process (SIGSEGV) on it while the group coordinator loads.
     """
-    probe = Consumer(settings.kafka(**{"group.id": settings.consumer_group, "enable.auto.commit": False}))
+    probe = Consumer(client_config(settings, **{"group.id": settings.consumer_group, "enable.auto.commit": False}))
     try:
         topics = probe.list_topics(timeout=timeout).topics
         partitions = [TopicPartition(name, p) for name, meta in topics.items()
@@ -177,10 +228,23 @@ class Fleet:
     topics: list[QueueTopic]
     idle: int
 
+    @property
+    def unread(self) -> list[QueueTopic]:
+        """The topics holding records that no worker reads: their tasks wait on Kafka, lost to no one
+        and run by no one."""
+        return [topic for topic in self.topics if topic.lag and not topic.consumers]
+
+
+def unread_warning(settings: Settings, topic: QueueTopic) -> str:
+    """What to say of a topic no worker reads (:attr:`Fleet.unread`), and its likely cause."""
+    return (f"queue {topic.queue}: {topic.lag} task(s) wait on Kafka topic {settings.topic(topic.queue)} and no "
+            f"worker of group {settings.consumer_group} reads it: start a worker of the queue (celery worker -Q "
+            f"{topic.queue}) on an app that calls celery_delayed.install(app); a worker without it never reads Kafka")
+
 
 def fleet(settings: Settings, timeout: float = 5.0) -> Fleet:
     """How the workers' group reads the ready topics (``celery delayed topics``, the metrics)."""
-    admin = AdminClient(settings.kafka())
+    admin = AdminClient(client_config(settings))
     names = {name: len(meta.partitions) for name, meta in admin.list_topics(timeout=timeout).topics.items()
              if name.startswith(settings.topic_prefix)}
     group = settings.consumer_group
@@ -198,6 +262,17 @@ def fleet(settings: Settings, timeout: float = 5.0) -> Fleet:
                   for name, partitions in sorted(names.items())], idle)
 
 
+def fleet_warnings(settings: Settings, timeout: float = 5.0) -> list[str]:
+    """What an operator must hear of Kafka: that it cannot be reached, or each queue no worker reads
+    (``delayed status``, the web view); empty when all is well."""
+    try:
+        state = fleet(settings, timeout)
+    except (KafkaException, ValueError) as exc:  # ValueError: no broker known
+        reason = exc.args[0].str() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else exc
+        return [f"{address(settings)} cannot be reached ({reason}): due tasks stay in the store until it answers"]
+    return [unread_warning(settings, topic) for topic in state.unread]
+
+
 def grow_topic(settings: Settings, queue: str, partitions: int, timeout: float = 30.0) -> None:
     """Give a queue's ready topic ``partitions`` partitions in all (Kafka adds, never removes, them).
 
@@ -205,5 +280,5 @@ def grow_topic(settings: Settings, queue: str, partitions: int, timeout: float =
     run claims, not the order of a partition, keep a task to one run.
     """
     topic = settings.checked_topic(queue)
-    admin = AdminClient(settings.kafka())  # kept until the answer: a handle destroyed meanwhile fails it
+    admin = AdminClient(client_config(settings))  # kept until the answer: a handle destroyed meanwhile fails it
     admin.create_partitions([NewPartitions(topic, partitions)], request_timeout=timeout)[topic].result(timeout)

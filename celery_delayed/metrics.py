@@ -170,10 +170,13 @@ class StoreCollector(Collector):
             lag.add_metric([topic.queue], topic.lag)
             partitions.add_metric([topic.queue], topic.partitions)
             readers.add_metric([topic.queue], topic.consumers)
+        unread = GaugeMetricFamily("celery_delayed_unread_queues", "Queues whose topic holds records no worker "
+                                   "reads (no worker calls celery_delayed.install(app), or all crashed)")
+        unread.add_metric([], len(state.unread))
         idle = GaugeMetricFamily("celery_delayed_idle_workers", "Workers of the group reading no partition: "
                                  "their queues have more consumers than partitions")
         idle.add_metric([], state.idle)
-        yield from (lag, partitions, readers, idle)
+        yield from (lag, partitions, readers, unread, idle)
 
 
 _collector: StoreCollector | None = None

@@ -8,6 +8,7 @@ and names the offending key in its error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
@@ -210,6 +211,10 @@ class Settings:
     #: e.g. ``"replicas=1,timeout=0.5"``.  Empty: off (a write is acknowledged once in
     #: the primary's memory).  On a Redis Cluster each primary a write went to is waited on.
     schedule_wait: str = ""
+    #: Accept ``delayed_*`` keys in the app's configuration that name no setting (another
+    #: library's, say).  Off: such a key is refused at start, as a misspelt setting would
+    #: otherwise be ignored without a word while its default applies.
+    allow_unknown_settings: bool = False
 
     @classmethod
     def from_app(cls, app: Any) -> "Settings":
@@ -222,7 +227,10 @@ class Settings:
         dict of settings as a ``celeryconfig`` holds them; other keys are left alone), with
         ``changes`` (unprefixed names) on top."""
         values = {f.name: value for f in dataclasses.fields(cls) if (value := conf.get(PREFIX + f.name)) is not None}
-        return cls.from_mapping({**values, **changes})
+        settings = cls.from_mapping({**values, **changes})
+        if not settings.allow_unknown_settings:
+            _refuse_unknown(conf)
+        return settings
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Settings":
@@ -231,7 +239,7 @@ class Settings:
         kwargs = {}
         for name, value in values.items():
             if name not in known:
-                raise ConfigurationError(f"unknown setting {PREFIX}{name}")
+                raise _unknown(PREFIX + name)
             kwargs[name] = _coerce(name, known[name], value)
         settings = cls(**kwargs)
         settings._validate()
@@ -358,6 +366,8 @@ class WaitPolicy:
     timeout_ms: int
 
 
+#: The names of the settings, unprefixed.
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
 _HOST_PORT = re.compile(r"^\s*[^\s:/]+:\d{1,5}\s*$")
 _SECRET = re.compile(r"password|secret|key|token", re.I)
 #: A query parameter whose name says it holds a secret (redis-py reads ``?password=``), up to its value.
@@ -378,6 +388,26 @@ def redact_url(url: str) -> str:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ConfigurationError(f"{PREFIX}{name} {message}")
+
+
+def _refuse_unknown(conf: Mapping[str, Any]) -> None:
+    """Refuse the first key of ``conf`` that looks like a setting of ours and names none, as the user
+    wrote it: ``delayed_*``, or ``CELERY_DELAYED_*`` in a namespaced (Django) configuration."""
+    namespace = (getattr(conf, "prefix", None) or "").lower()  # Celery's config_from_object(namespace=...)
+    for key in conf:
+        name = key.lower().removeprefix(namespace) if namespace else key.lower()
+        if name.startswith(PREFIX):
+            field_name = name[len(PREFIX):]
+            if field_name not in _FIELDS:
+                raise _unknown(key, len(key) - len(name))
+
+
+def _unknown(key: str, start: int = 0) -> ConfigurationError:
+    """The error for an unknown setting ``key`` (its name begins at ``start``), with the closest known one."""
+    close = difflib.get_close_matches(key[start:].lower(), [PREFIX + name for name in _FIELDS], n=1)
+    hint = f"did you mean {key[:start]}{close[0].upper() if key.isupper() else close[0]}?" if close else \
+        "see the settings page of the docs for the names"
+    return ConfigurationError(f"unknown setting {key}: {hint} (delayed_allow_unknown_settings = True accepts it)")
 
 
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:

@@ -32,16 +32,20 @@ from rich.text import Text
 from celery_delayed import store_of
 from celery_delayed.client.schedules import beat_entries
 from celery_delayed.inert import inert
-from celery_delayed.kafka import fleet, grow_topic
+from celery_delayed.kafka import address as kafka_address
+from celery_delayed.kafka import fleet, fleet_warnings, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
+from celery_delayed.poller.leadership import etcd_address, leaders, live_pollers, make_etcd
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetterError, DeadLetters
 from celery_delayed.store.inspection import MAX_PAGE, totals
+from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import iso_of
 from celery_delayed.store.outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
+from celery_delayed.store.records import is_revoked
 from celery_delayed.store.revoke import cancel_or_revoke
 
 console = Console()
@@ -114,7 +118,8 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
               "registers it (reads the whole schedule).")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
-    """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time."""
+    """Per partition: scheduled, in flight and overdue tasks, the oldest overdue one's age, the next due time;
+    then the pollers alive and what each leads, whether Kafka answers, and the queues no worker reads."""
     store = _load(ctx)[1]
     counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
     names = _task_names(ctx) if by_task else None
@@ -129,12 +134,46 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
                   _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
+    for line in _fleet_lines(store.settings):
+        click.echo(line)  # not wrapped: a line to grep
     if paused:
         console.print(_cell("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): "
                             + ", ".join(f"{queue} (since {_age((now_ms - since) / 1000)})"
                                         for queue, since in sorted(paused.items()))))
     if names is not None:
         console.print(_task_table(names, now_ms))
+
+
+def _fleet_lines(settings: Settings) -> Iterator[str]:
+    """What ``status`` says beyond the store: the pollers alive and the partitions each leads, those no
+    poller leads, whether Kafka answers, the queues no worker reads."""
+    try:
+        etcd = make_etcd(settings)
+        alive, led = live_pollers(etcd, Keys(settings.key_prefix)), leaders(settings, etcd)
+    except Exception as exc:  # pyetcd raises its own kinds
+        yield (f"{etcd_address(settings)} cannot be reached ({exc}): pollers and leaders unknown; no poller "
+               "dispatches while it is away")
+    else:
+        for poller in alive:
+            parts = [p for p, leader in led.items() if leader["poller"] == poller]
+            yield f"poller {poller} alive, leads partitions {_ranges(parts) or 'none'}"
+        if not alive:
+            yield "no poller alive: nothing is dispatched; start one with `celery -A proj delayed poller`"
+        elif leaderless := [p for p in range(settings.partitions) if p not in led]:
+            yield f"partitions without a leader (not dispatched until one takes them): {_ranges(leaderless)}"
+    yield from fleet_warnings(settings) or [f"{kafka_address(settings)} answers; a worker reads every queue's "
+                                             "topic that holds tasks"]
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``0-3, 7`` for [0, 1, 2, 3, 7] (sorted)."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _task_names(ctx: click.Context, elsewhere: tuple[str, ...] = ()) -> list[dict]:
@@ -203,9 +242,11 @@ def show_task(ctx: click.Context, task_id: str | None, key: str | None, as_json:
     store = _load(ctx)[1]
     task_id = _task_id_of(store, task_id, key)
     info, now_ms = store.get(task_id), store.now_ms()
+    if info is None and is_revoked(store, task_id):
+        raise click.ClickException(inert(f"task {task_id} was cancelled or revoked: it will not run"))
     if info is None:
-        raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, already "
-                                   "dispatched, or cancelled)")
+        raise click.ClickException(f"no task with id {task_id} in the store (never scheduled, or already "
+                                   "dispatched)")
     if as_json:
         click.echo(json.dumps(info))
         return
@@ -596,18 +637,22 @@ def dlq() -> None:
               help="Most dead letters shown, newest first.")
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
-    """The most recent dead letters: task, where and why they were parked, and when."""
+    """The most recent dead letters: task, where and why they were parked, and when (a table on a
+    terminal, else a line each with the whole task id; --json for scripts)."""
     letters = _dead_letters(ctx)
     rows = [letter.describe() for letter in letters.list(limit)]
     if as_json:
         click.echo(json.dumps([{k: row[k] for k in LIST_FIELDS} for row in rows]))
         return
-    table = Table("task id", "task", "source", "reason", "attempts", "age",
-                  title=f"{len(rows)} of {letters.count()} dead letters")
-    now = time.time()
-    for row in rows:
-        table.add_row(*(_cell(v) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
-                                               row["attempts"], _age(now - row["timestamp"]))))
+    title, now = f"{len(rows)} of {letters.count()} dead letters", time.time()
+    cells = [[inert(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]), row["attempts"],
+                               _age(now - row["timestamp"]))] for row in rows]
+    if not console.is_terminal:  # a pipe: a line per letter, its whole id to copy into `dlq requeue`
+        click.echo("\n".join([title, *("  ".join(line) for line in cells)]))
+        return
+    table = Table("task id", "task", "source", "reason", "attempts", "age", title=title)
+    for line in cells:  # Text: reasons are shown as written, never read as rich markup
+        table.add_row(*map(Text, line))
     console.print(table)
 
 
@@ -680,8 +725,12 @@ def purge(ctx: click.Context, task_id: str | None, every: bool, yes: bool) -> No
             raise _unknown(task_id)
         click.echo(f"purged {task_id}")
         return
-    if not yes:
-        click.confirm(f"Purge all {letters.count()} dead letters?", abort=True)
+    try:
+        go = yes or click.confirm(f"Purge all {letters.count()} dead letters?")
+    except click.Abort:  # no answer: stdin is not a terminal, or closed
+        go = False
+    if not go:
+        raise click.ClickException("nothing purged: pass --yes to purge every dead letter without asking")
     click.echo(f"purged {letters.purge_all()} dead letters")
 
 

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from celery_delayed import inert
 from celery_delayed import metrics
 from celery_delayed.envelope import queue_of
-from celery_delayed.kafka import Verdict, classify, ensure_topics, make_producer
+from celery_delayed.kafka import Verdict, address, classify, ensure_topics, make_producer
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetter, DeadLetters, ResultBackend
@@ -85,7 +85,8 @@ class Delivery:
             return 0
         if topic not in self._topics:
             if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
-                self._settle(self.store.nack, partition, [(task_id, stamp)])  # Kafka unreachable: due again soon
+                self._settle(self.store.nack, partition, [(task_id, stamp)],  # Kafka unreachable: due again soon
+                             then=lambda _: self.stats.add("delivery_failed"))
                 return 0
         return int(self._send(partition, task_id, stamp, due_ms, topic, data, headers))
 
@@ -125,7 +126,8 @@ class Delivery:
         try:
             ensure_topics(self.settings, [topic[len(self.settings.topic_prefix):]], timeout=5.0)
         except KafkaException as exc:
-            logger.warning("cannot create Kafka topic %s: %s", topic, exc)
+            logger.warning("cannot create topic %s on %s: %s; its tasks stay in the store until it answers "
+                           "(is the address right?)", topic, address(self.settings), exc)
             self._topics_blocked_until = time.monotonic() + 5.0
             return False
         self._topics.add(topic)

@@ -35,7 +35,7 @@ import pyetcd
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from celery_delayed import inert
-from celery_delayed.settings import Settings
+from celery_delayed.settings import Settings, redact_url
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import partition_of
 
@@ -58,6 +58,15 @@ def token_of(epoch: int, revision: int) -> int:
 def describe_token(token: int) -> str:
     """``epoch E revision R`` of a token, for log lines."""
     return f"epoch {token // EPOCH_SCALE} revision {token % EPOCH_SCALE}"
+
+
+#: Seconds between two lines saying that leadership still cannot be proven for the same reason.
+UNPROVEN_LOG_EVERY = 60.0
+
+
+def etcd_address(settings: Settings) -> str:
+    """Where etcd is looked for (passwords hidden), and the setting that says so, for errors."""
+    return f"etcd at {','.join(map(redact_url, settings.etcd_urls))} (delayed_etcd_endpoints)"
 
 
 def make_etcd(settings: Settings, timeout: float = 2.0) -> MultiEndpointEtcd3Client:
@@ -86,6 +95,11 @@ def leaders(settings: Settings, etcd: MultiEndpointEtcd3Client) -> dict[int, dic
     return out
 
 
+def live_pollers(etcd: MultiEndpointEtcd3Client, keys: Keys) -> list[str]:
+    """The ids of the pollers alive (each registered under its lease), from etcd."""
+    return [meta.key.decode().rsplit("/", 1)[1] for _, meta in etcd.get_prefix(keys.pollers(), keys_only=True)]
+
+
 def _leader_keys(etcd: MultiEndpointEtcd3Client, keys: Keys) -> dict[int, tuple[str, object]]:
     """Partition -> (leader's poller id, its key's metadata), from etcd."""
     return {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta)
@@ -108,6 +122,7 @@ class Leadership:
         self._lock = threading.Lock()  # guards _owned and _valid_until
         self._stepping = threading.Lock()  # one step at a time, never after release
         self._closed = False
+        self._unproven_said: float | None = None  # while leadership cannot be proven: when that was last said
 
     def owned(self) -> dict[int, int]:
         """Partitions this poller may dispatch now, with their fencing tokens.
@@ -126,14 +141,17 @@ class Leadership:
             started = time.monotonic()
             try:
                 self._refresh()
-                live = len(list(self.etcd.get_prefix(self.keys.pollers(), keys_only=True)))
+                live = len(live_pollers(self.etcd, self.keys))
                 share = math.ceil(self.settings.partitions / max(live, 1))
                 owned = self._reconcile(share, self._read_epoch()[0])
             except Exception as exc:  # etcd down or lease lost: lead nothing until proven again
-                logger.warning("poller %s cannot prove leadership (%s): dispatching nothing", self.id, exc)
+                self._unproven(exc)
                 with self._lock:
                     self._owned, self._valid_until = {}, 0.0
                 return {}
+            if self._unproven_said is not None:
+                logger.warning("poller %s: %s answers again: leading partitions", self.id, etcd_address(self.settings))
+                self._unproven_said = None
             with self._lock:
                 if owned != self._owned:
                     logger.info("poller %s leads partitions %s", self.id, sorted(owned))
@@ -141,6 +159,16 @@ class Leadership:
                 # Keys live `ttl` after the refresh; stop trusting them well before that.
                 self._valid_until = started + self.settings.lease_ttl * 2 / 3
             return dict(owned)
+
+    def _unproven(self, exc: Exception) -> None:
+        """Say why leadership cannot be proven: when it starts, then every :data:`UNPROVEN_LOG_EVERY` s
+        while it lasts (a step runs twice a second, and its error alternates between kinds)."""
+        now = time.monotonic()
+        if self._unproven_said is None or now - self._unproven_said >= UNPROVEN_LOG_EVERY:
+            logger.warning("poller %s cannot prove leadership through %s (%s: %s): dispatching nothing until it "
+                           "answers (is the address right?)", self.id, etcd_address(self.settings),
+                           type(exc).__name__, exc)
+            self._unproven_said = now
 
     def fenced(self, partition: int, token: int, fences: list[int]) -> None:
         """A claim of ``partition`` with ``token`` was refused; ``fences`` are the store's fences.

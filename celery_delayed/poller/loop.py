@@ -21,11 +21,11 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer
 
 from celery_delayed import inert
 from celery_delayed import metrics
-from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER
+from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER, fleet, unread_warning
 from celery_delayed.poller.delivery import Delivery
 from celery_delayed.poller.leadership import Leadership
 from celery_delayed.recurring.definitions import BEAT, Definitions
@@ -50,6 +50,8 @@ CONTROLS_REFRESH = 1.0
 #: How soon (ms) a partition whose rate-limited queue ran out of tokens with tasks due is claimed again
 #: (at once when the claim held none of that queue's tokens, not knowing the partition had its tasks).
 THROTTLED_RETRY_MS = 50
+#: Seconds between two looks at whether the workers read every queue's topic.
+READERS_EVERY = 30.0
 
 
 class RateLimit:
@@ -127,6 +129,7 @@ class Poller:
             return
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
+        threading.Thread(target=self._watch_readers, name="delayed-readers", daemon=True).start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(**{self.store.keys.wake: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
@@ -400,6 +403,23 @@ class Poller:
         """Redis went away under the wake-up subscription: keep the thread, retry shortly."""
         logger.warning("wake-up subscription: %s; retrying", exc)
         self._stopping.wait(1.0)
+
+    def _watch_readers(self) -> None:
+        """Every :data:`READERS_EVERY` s, off the dispatch path: say (once, until it changes) which
+        queues' topics hold tasks no worker reads, which is all a worker started without
+        ``celery_delayed.install(app)`` shows, and when a worker reads one again."""
+        unread: set[str] = set()
+        while not self._stopping.wait(READERS_EVERY):
+            try:
+                topics = {topic.queue: topic for topic in fleet(self.settings).unread}
+            except (KafkaException, ValueError) as exc:  # Kafka away: the dispatch says so; look again later
+                logger.debug("cannot tell whether the workers read every queue's topic: %s", exc)
+                continue
+            for queue in sorted(topics.keys() - unread):
+                logger.warning(unread_warning(self.settings, topics[queue]))
+            for queue in sorted(unread - topics.keys()):
+                logger.info("queue %s: its topic is read again", queue)
+            unread = set(topics)
 
     def _lead(self) -> None:
         interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)

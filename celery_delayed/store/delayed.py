@@ -412,7 +412,7 @@ class DelayedStore(Inspection):
             raise LayoutMismatch(
                 f"the delayed store {self.keys.layout} at {redact_url(self.settings.redis_url)} was laid out with "
                 f"{', '.join(differences)}: use the stored value, or drain the store with it and then change it "
-                "(README: Changing the store layout)")
+                "(docs/operations.md: Changing the store layout)")
         self._layout_checked = True
         return bool(created)
 

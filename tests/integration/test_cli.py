@@ -187,3 +187,30 @@ def test_serving_beyond_loopback_needs_credentials_or_the_flag_named_for_its_ris
     bound, result = web_command(overrides, monkeypatch, "--address", "127.0.0.2")
     assert bound == ["127.0.0.2"]  # loopback, as 127.0.0.1
     assert result.output.splitlines() == ["celery-delayed web on http://127.0.0.2:5566/ (no auth)"]
+
+
+@pytest.mark.parametrize("env, shown", [
+    ({"DELAYED_KAFKA_SERVER": "127.0.0.1:9092"},
+     "unknown setting delayed_kafka_server: did you mean delayed_kafka_servers?"),
+    ({"DELAYED_PARTITION": "8"}, "unknown setting delayed_partition: did you mean delayed_partitions?"),
+])
+def test_a_misspelt_setting_stops_the_poller_naming_the_setting_meant(overrides, env, shown):
+    done = celery(overrides, "delayed", "poller", **env)
+    assert done.returncode == 1
+    assert f"Error: {shown} (delayed_allow_unknown_settings = True accepts it)" in done.stderr.splitlines()
+
+
+def test_unknown_settings_are_accepted_when_allowed(overrides):
+    done = celery(overrides, "delayed", "status", "--json", DELAYED_PARTITION="8", DELAYED_ALLOW_UNKNOWN_SETTINGS="True")
+    assert done.returncode == 0, done.stderr
+
+
+def test_show_of_a_cancelled_task_says_it_was_cancelled(overrides):
+    store = DelayedStore(Settings.from_conf(overrides))
+    store.schedule_many(envelopes(1, overrides["task_default_queue"], int(time.time() * 1000) + 60_000))
+    assert celery(overrides, "delayed", "cancel", "task-0").stdout.strip() == "cancelled task-0"
+    done = celery(overrides, "delayed", "show", "task-0")
+    assert done.returncode == 1
+    assert "Error: task task-0 was cancelled or revoked: it will not run" in done.stderr.splitlines()
+    assert "no task with id other-id in the store (never scheduled, or already dispatched)" in celery(
+        overrides, "delayed", "show", "other-id").stderr

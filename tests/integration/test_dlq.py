@@ -259,6 +259,11 @@ def test_cli_list_and_show(overrides, letters):
     assert done.returncode == 0, done.stderr
     assert "3 of 3 dead letters" in done.stdout
     assert "task-0" in done.stdout and "tasks.demo.add" in done.stdout and "undecodable stored message" in done.stdout
+    long_id = "eec5753c-bbb1-4bd0-9a3e-5f0c2d6b7a81"  # a uuid, as Celery's task ids are
+    letters.add(DeadLetter(task_id=long_id, reason="unknown task 'tasks.demo.add'", source="worker"))
+    done = dlq(overrides, "list")  # in a pipe, as `dlq list | grep`
+    assert done.stdout.splitlines()[1].startswith(f"{long_id}  ?  worker  unknown task 'tasks.demo.add'"), done.stdout
+    letters.purge(long_id)
 
     done = dlq(overrides, "show", "task-1")
     assert done.returncode == 0, done.stderr
@@ -306,6 +311,9 @@ def test_cli_purge(overrides, letters):
     done = dlq(overrides, "purge", "--all", answer="n\n")
     assert done.returncode == 1 and "Purge all 2 dead letters?" in done.stdout
     assert letters.count() == 2
+    done = dlq(overrides, "purge", "--all")  # no terminal to answer on
+    assert done.returncode == 1
+    assert "Error: nothing purged: pass --yes to purge every dead letter without asking" in done.stderr.splitlines()
     done = dlq(overrides, "purge", "--all", answer="y\n")
     assert done.returncode == 0 and "purged 2 dead letters" in done.stdout
     park(letters, 4)

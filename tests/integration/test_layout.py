@@ -40,6 +40,7 @@ def test_store_with_another_partition_count_is_refused_and_changes_nothing(overr
             attempt()
     refused = run_briefly(Poller(Settings.from_conf(overrides, partitions=2)))  # refused before leading anything
     assert isinstance(refused, LayoutMismatch) and "drain the store" in str(refused)
+    assert str(refused).endswith("(docs/operations.md: Changing the store layout)")  # where that section is
     assert sum(r["scheduled"] for r in store.counts()) == 20
     assert store.get("task-0")["state"] == "scheduled" and store.get("new-0") is None
     assert store.redis.get(store.keys.layout) == layout == b"partitions=4 bucket_seconds=10 format=2"

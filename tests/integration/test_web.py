@@ -22,8 +22,10 @@ import tornado.httpserver
 import tornado.ioloop
 import tornado.netutil
 from celery import states
+from confluent_kafka import Producer
 
 from celery_delayed import store_of
+from celery_delayed.kafka import ensure_topics
 from celery_delayed.ops.web.server import make_app
 from celery_delayed.ops.browse import Filter
 from celery_delayed.ops.web.views import JobRunning, LetterFilter, Views
@@ -519,3 +521,24 @@ def test_a_queue_is_paused_resumed_and_rate_limited_from_the_overview_and_its_ap
     assert status == 200 and done == {"queue": "mail", "rate": None}
     status, error = client.json("/api/queues/rate", {"queue": "mail", "rate": "fast"})
     assert status == 400 and "a rate must be tasks a second, or off; got 'fast'" in error["error"]
+
+
+def test_the_overview_names_a_queue_whose_topic_no_worker_reads(app):
+    """A worker started without celery_delayed.install(app) never reads Kafka: its queue's tasks
+    wait on their topic, and the overview says so, with the likely cause."""
+    settings = store_of(app).settings
+    queue = app.conf.task_default_queue
+    ensure_topics(settings, [queue])
+    producer = Producer(settings.kafka())
+    producer.produce(settings.topic(queue), key="task-1", value=b"{}")
+    assert producer.flush(30) == 0
+    warning = (f"queue {queue}: 1 task(s) wait on Kafka topic {settings.topic(queue)} and no worker of group "
+               f"{settings.consumer_group} reads it")
+    srv = Server(app)  # Kafka is first read as the view starts: after the record is there
+    try:
+        client = Client(srv.url)
+        wait_for(lambda: any(w.startswith(warning) for w in client.json("/api/overview")[1]["kafka_warnings"]), 30,
+                 "the overview's warning of the unread queue")
+        assert warning in client.request("/")[1]
+    finally:
+        srv.stop()

@@ -5,7 +5,7 @@ import re
 import pytest
 from celery import Celery
 
-from celery_delayed.kafka import consumer_config
+from celery_delayed.kafka import consumer_config, librdkafka_log
 from celery_delayed.settings import RANGES, ConfigurationError, Settings, redact_url
 
 
@@ -94,6 +94,22 @@ def test_unknown_setting_is_refused():
         Settings.from_mapping({"partitons": 3})
 
 
+def test_a_misspelt_key_of_a_namespaced_django_configuration_is_refused_as_written(tmp_path, monkeypatch):
+    (tmp_path / "djsettings.py").write_text("CELERY_DELAYED_PARTITON = 8\nCELERY_DELAYED_KEY_PREFIX = 'x'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = Celery(set_as_current=False)
+    app.config_from_object("djsettings", namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "unknown setting CELERY_DELAYED_PARTITON: did you mean CELERY_DELAYED_PARTITIONS?")):
+        Settings.from_app(app)
+
+
+def test_celery_delayeds_own_defaults_and_celerys_keys_are_not_unknown():
+    app = Celery(set_as_current=False)
+    app.conf.update(delayed_partitions=4, broker_native_delayed_delivery_queue_type="quorum")
+    assert Settings.from_app(app).partitions == 4
+
+
 def test_lists_of_endpoints_are_accepted():
     s = Settings.from_mapping({"etcd_endpoints": ["http://a:1", "http://b:2"], "kafka_servers": ["a:1", "b:2"]})
     assert s.etcd_urls == ["http://a:1", "http://b:2"]
@@ -140,7 +156,7 @@ def test_the_consumer_protocol_leaves_out_what_only_the_broker_may_set_and_says_
     with caplog.at_level("WARNING"):
         config = consumer_config(mine, **{"group.id": "g"})
     assert config == {"bootstrap.servers": "127.0.0.1:9092", "security.protocol": "SSL", "group.id": "g",
-                      "group.protocol": "consumer"}
+                      "group.protocol": "consumer", "logger": librdkafka_log}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "session.timeout.ms" in warning and "partition.assignment.strategy" in warning
     assert consumer_config(Settings.from_mapping({"kafka_config": {"group.protocol": "classic"}}))[

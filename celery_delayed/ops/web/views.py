@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from celery_delayed import inert
 from celery_delayed import store_of
+from celery_delayed.kafka import fleet_warnings
 from celery_delayed.ops import browse
 from celery_delayed.ops.browse import Filter
 from celery_delayed.poller.leadership import leaders, make_etcd
@@ -38,6 +39,8 @@ NEAR_BINS, FAR_BINS = 60, 48
 FAR_EVERY = 30.0
 #: Seconds between two counts of the scheduled tasks per task name (each reads the whole schedule).
 NAMES_EVERY = 300.0
+#: Seconds between two looks at Kafka: whether it answers, and which queues no worker reads.
+KAFKA_EVERY = 30.0
 #: Seconds between two scrapes of the pollers' metrics.
 SCRAPE_EVERY = 5.0
 #: Dead letters a bulk requeue or purge takes between two progress reports.
@@ -62,12 +65,15 @@ class Views:
         # the days-ahead histogram counts every bucket of two days (~0.5 s of short calls at any store
         # size): read in the background, at most every FAR_EVERY seconds, shown with its age
         self._far = Refreshing(lambda: self._histogram(self.store.now_ms(), HOUR_MS, FAR_BINS), FAR_EVERY)
+        # Kafka's answer takes up to seconds (a timeout when it is away): asked in the background
+        self._kafka = Refreshing(lambda: fleet_warnings(self.store.settings), KAFKA_EVERY)
         self._names: Refreshing | None = None  # started by the first overview: a walk of the whole schedule
 
     # -- overview ------------------------------------------------------------
     def overview(self) -> dict[str, Any]:
         """Per partition and in all: scheduled, in flight, overdue, next due, the leader and its lease;
-        per queue: overdue, next due, paused since; dead letters; the load histogram; the pollers'
+        per queue: overdue, next due, paused since; Kafka's warnings (unreachable, queues no worker
+        reads; empty until first read); dead letters; the load histogram; the pollers'
         dispatch rate and lag when their metrics are given; the tasks per task name (None while the
         first count runs)."""
         now_ms = self.store.now_ms()
@@ -78,7 +84,7 @@ class Views:
         summed = {**totals(rows), "led": sum(1 for r in rows if r["poller"]),
                   "pollers": len({r["poller"] for r in rows if r["poller"]})}
         return {"now_ms": now_ms, "totals": summed, "partitions": rows, "queues": self.store.queues(),
-                "etcd_error": etcd_error,
+                "etcd_error": etcd_error, "kafka_warnings": self._kafka.get(wait=False) or [],
                 "dead_letters": {"count": self.letters.count(), "oldest_age_s": self.letters.oldest_age()},
                 "histogram": {"next_hour": self._histogram(now_ms, MINUTE_MS, NEAR_BINS),
                               "next_days": self._far.get()},

@@ -135,7 +135,7 @@ def group_protocol(settings: Settings, timeout: float = 10.0) -> str:
     try:
         brokers = admin.list_topics(timeout=timeout).brokers
         resource = ConfigResource(ResourceType.BROKER, str(min(brokers)))
-        entries = admin.describe_configs([resource], request_timeout=timeout)[resource].result(timeout)
+        entries = outcome(admin.describe_configs([resource], request_timeout=timeout)[resource], timeout)
     except (KafkaException, ValueError) as exc:  # ValueError: no broker known
         logger.warning("cannot ask Kafka which group protocols it offers (%s): using the classic one; "
                        "set delayed_group_protocol to choose", exc)
@@ -160,6 +160,19 @@ def consumer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
     return {name: value for name, value in config.items() if name not in refused}
 
 
+def outcome(future: Any, timeout: float) -> Any:
+    """An admin request's result, waited for by looking every 10 ms, not by ``future.result()``:
+    librdkafka completes the future from a thread of its own, and in a green worker (eventlet) the
+    patched ``threading`` never wakes the greenlet waiting on it (the worker hung at start).  A
+    ``KafkaException`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not future.done():
+        if time.monotonic() >= deadline:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"no answer from Kafka within {timeout:g} s"))
+        time.sleep(0.01)
+    return future.result()
+
+
 def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30.0) -> None:
     """Create the ready topics of ``queues`` that do not exist yet (existing ones are kept)."""
     admin = AdminClient(client_config(settings))
@@ -173,7 +186,7 @@ def ensure_topics(settings: Settings, queues: Iterable[str], timeout: float = 30
                   config=topic_config(settings)) for t in missing], operation_timeout=timeout, request_timeout=timeout)
     for topic, future in futures.items():
         try:
-            future.result()
+            outcome(future, timeout)
             logger.info("created Kafka topic %s", topic)
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
@@ -251,7 +264,7 @@ def fleet(settings: Settings, timeout: float = 5.0) -> Fleet:
     (described,) = admin.describe_consumer_groups([group], request_timeout=timeout).values()
     readers: dict[str, int] = {}
     idle = 0
-    for member in described.result(timeout).members:
+    for member in outcome(described, timeout).members:
         read = {tp.topic for tp in (member.assignment.topic_partitions if member.assignment else [])}
         idle += not read
         for topic in read:
@@ -281,4 +294,4 @@ def grow_topic(settings: Settings, queue: str, partitions: int, timeout: float =
     """
     topic = settings.checked_topic(queue)
     admin = AdminClient(client_config(settings))  # kept until the answer: a handle destroyed meanwhile fails it
-    admin.create_partitions([NewPartitions(topic, partitions)], request_timeout=timeout)[topic].result(timeout)
+    outcome(admin.create_partitions([NewPartitions(topic, partitions)], request_timeout=timeout)[topic], timeout)

@@ -77,3 +77,16 @@ def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_tw
     assert [runs[x.id] for x in warm] == [1] * 5, "a task finished in a warm stop ran again"
     assert [runs[x.id] for x in killed] == [2] * 5, "a killed worker's task did not run again, once"
     assert {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in killed} == {"w3"}
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processes, pool):
+    """A worker started before any poller creates its queue's topic itself, waiting on the Kafka admin
+    client's futures, which librdkafka completes from a thread of its own: an eventlet worker waiting
+    with ``future.result()`` was never woken, and hung at start (it passed whenever a poller had made
+    the topic first)."""
+    app = create_app(**overrides)
+    worker = processes.worker("w1", "--pool", pool, "-c", "10")
+    wait_for(lambda: "consuming Kafka topics" in processes.log(worker), 60, "the worker to create its topic and start")
+    processes.poller()
+    assert due_in(app, "tasks.demo.add", (2, 3)).get(timeout=60) == 5

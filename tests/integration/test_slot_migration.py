@@ -43,7 +43,7 @@ def cluster(tmp_path) -> Iterator[str]:
                  "--cluster-enabled", "yes", "--dir", str(tmp_path / str(port)), "--save", "",
                  "--logfile", str(tmp_path / f"{port}.log")]))
         clients = [redis.Redis(port=port) for port in ports]
-        wait_for(lambda: all(answers(client) for client in clients), 10, "the nodes to answer")
+        wait_for(lambda: all(answers(client) for client in clients), 30, "the nodes to answer")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         wait_for(lambda: all(client.cluster("info")["cluster_state"] == "ok" for client in clients), 30,

@@ -65,10 +65,10 @@ def test_show_cancel_and_upcoming(overrides):
     assert store_of(app).get(first.id) is None
     assert app.backend.get_task_meta(first.id)["status"] == states.REVOKED
 
-    for args in (("show", first.id), ("cancel", first.id)):
-        missing = celery(overrides, "delayed", *args)
-        assert missing.returncode == 1 and f"no {'scheduled ' if args[0] == 'cancel' else ''}task with id {first.id}" \
-            in missing.stderr
+    shown = celery(overrides, "delayed", "show", first.id)
+    assert shown.returncode == 1 and f"task {first.id} was cancelled or revoked: it will not run" in shown.stderr
+    missing = celery(overrides, "delayed", "cancel", first.id)
+    assert missing.returncode == 1 and f"no scheduled task with id {first.id}" in missing.stderr
     bad = celery(overrides, "delayed", "upcoming", "--after", "nonsense")
     assert bad.returncode == 1 and "not a cursor of upcoming()" in bad.stderr
 

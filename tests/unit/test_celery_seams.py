@@ -2,6 +2,8 @@
 upgrade that moves one fails here, by name, rather than in production."""
 import inspect
 
+import pytest
+
 from celery.app.amqp import AMQP
 from celery.worker import state as worker_state
 from celery.worker.consumer.consumer import Consumer
@@ -27,8 +29,14 @@ def test_the_worker_state_and_consumer_attributes_the_feed_reads_exist():
     source = inspect.getsource(Consumer)
     for name in ("strategies", "qos", "hub", "timer", "pool", "on_task_message"):
         assert f"self.{name}" in source, name
-    from celery.concurrency import eventlet, gevent
-    assert gevent.TaskPool.is_green and eventlet.TaskPool.is_green
+
+
+def test_the_green_pools_say_they_are_green():
+    """consumer.py tells a green worker (no event loop; its threads are greenlets) by its pool's ``is_green``."""
+    pytest.importorskip("gevent", reason="the green pools are a dev extra: scripts/test has them, test-pythons not")
+    pytest.importorskip("eventlet", reason="the green pools are a dev extra")
+    from celery.concurrency import eventlet, gevent, prefork
+    assert gevent.TaskPool.is_green and eventlet.TaskPool.is_green and not prefork.TaskPool.is_green
 
 
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():

@@ -31,7 +31,9 @@ class Batch:
         self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
         self.bypassed = False  # a message of the signature being sent went around the batch
         self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
-        self._publish_options: dict[str, Any] = {}
+        self.event_options: dict[str, Any] = {}
+        self.last_event: dict | None = None  # the fields of the last task-sent event, and what
+        self.published: dict[str, Any] | None = None  # Celery published last (for client.template)
 
     def publish(self, type: str, fields: dict, producer: Any, retry: bool = False,
                 retry_policy: dict | None = None, **_: Any) -> None:
@@ -39,7 +41,8 @@ class Batch:
         dispatcher = self._dispatcher
         self.events.append(Event(type, hostname=dispatcher.hostname, utcoffset=utcoffset(), pid=dispatcher.pid,
                                  clock=dispatcher.clock.forward(), **fields))
-        self._publish_options = {"retry": retry, "retry_policy": retry_policy}
+        self.event_options = {"retry": retry, "retry_policy": retry_policy}
+        self.last_event = fields
 
     def flush(self) -> None:
         """Store the chunk's tasks (retried as a broker publish is), then send their events."""
@@ -56,7 +59,7 @@ class Batch:
                     producer.publish(self.events[start:start + EVENTS_PER_MESSAGE], routing_key="task.multi",
                                      exchange=dispatcher.exchange.name, declare=[dispatcher.exchange],
                                      serializer=dispatcher.serializer, headers=dispatcher.headers,
-                                     delivery_mode=dispatcher.delivery_mode, **self._publish_options)
+                                     delivery_mode=dispatcher.delivery_mode, **self.event_options)
             self.events = []
         self.durable = len(self.sent)
 

@@ -22,6 +22,7 @@ from celery.utils import uuid
 
 from celery_delayed.client.batch import Batch, batching
 from celery_delayed.client.intercept import DelayedAMQP
+from celery_delayed.client.template import Shapes
 
 #: Signatures sent per chunk: their tasks are stored in one pipelined write.
 CHUNK = 1000
@@ -45,7 +46,8 @@ class ApplyManyError(Exception):
 
 
 def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, countdown: float | None = None,
-               app: Celery | None = None, progress: Callable[[int], None] | None = None) -> list[AsyncResult]:
+               app: Celery | None = None, progress: Callable[[int], None] | None = None,
+               per_task: bool = False) -> list[AsyncResult]:
     """Send ``signatures`` (of ``app``'s tasks, default the current app) as their ``apply_async`` would,
     the delayed ones written to the store a chunk at a time; returns their results, in order.
 
@@ -56,6 +58,8 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     ``after_task_publish`` fires when a signature joins its chunk; the chunk is
     stored (and its task-sent events sent) before the next one is built.
     The signatures given are not changed: each is sent as a copy with its task id.
+    Tasks of a shape already sent are made from its message (:mod:`.template`);
+    ``per_task=True`` sends every one through ``apply_async`` instead.
     Raises :class:`ApplyManyError` when a signature cannot be sent or a store
     write fails for good; the signatures before it are scheduled, the others not.
     """
@@ -65,29 +69,30 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     app = app or current_app._get_current_object()
     if not isinstance(app.amqp, DelayedAMQP):
         raise RuntimeError("celery_delayed.install(app) was not called on this app")
+    shapes = Shapes(app, when, enabled=not per_task)
     results: list[AsyncResult] = []
     chunk: list[Signature] = []
     rest = iter(signatures)
     for signature in rest:
-        chunk.append(_copy_with_id(signature, when))
+        chunk.append(signature)
         if len(chunk) >= CHUNK:
-            _send_chunk(app, chunk, when, results, progress, rest)
+            _send_chunk(app, shapes, chunk, when, results, progress, rest)
             chunk = []
     if chunk:
-        _send_chunk(app, chunk, when, results, progress, rest)
+        _send_chunk(app, shapes, chunk, when, results, progress, rest)
     return results
 
 
-def _copy_with_id(signature: Signature, when: dict) -> Signature:
-    """A copy of ``signature`` holding its task id(s) before anything is sent (so an
-    :class:`ApplyManyError`'s ``unsent`` sends it once), without the due time ``when`` overrides
-    (``apply_async`` would keep its own)."""
+def _copy_with_id(signature: Signature, when: dict, task_id: str | None = None) -> Signature:
+    """A copy of ``signature`` holding its task id(s) (``task_id`` if given) before anything is sent
+    (so an :class:`ApplyManyError`'s ``unsent`` sends it once), without the due time ``when``
+    overrides (``apply_async`` would keep its own)."""
     copy = signature.clone()
     if when:
         for name in _TIMES:
             copy.options.pop(name, None)
     if type(copy) is Signature:
-        copy.options.setdefault("task_id", uuid())  # (freeze() would also build a result to drop)
+        copy.options.setdefault("task_id", task_id or uuid())  # (freeze() would also build a result to drop)
     else:
         copy.freeze()  # a canvas: ids for all its tasks
     return copy
@@ -112,19 +117,32 @@ def results_subscribed_on_get(app: Celery) -> Iterator[None]:
         del backend.on_task_call
 
 
-def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[AsyncResult],
+def _send_chunk(app: Celery, shapes: Shapes, chunk: list[Signature], when: dict, results: list[AsyncResult],
                 progress: Callable[[int], None] | None, rest: Iterator[Signature]) -> None:
     """Send one chunk's signatures into a :class:`Batch`, then write it; ``results`` grows by what
     is stored.  A signature whose messages went around the batch is followed by a write, so every
     signature before a failure is stored and none after it is sent."""
     sent: list[AsyncResult] = []
+    copies: list[Signature | str] = []  # per signature tried: its copy sent, or the id it was made with
     batch = Batch(app, sent)
     failed: Exception | None = None
     token = batching.set(batch)
     try:
         with app.producer_or_acquire() as producer, results_subscribed_on_get(app):
             for signature in chunk:
-                sent.append(signature.apply_async(producer=producer, **when))
+                shape = shapes.shape(signature)
+                template = shapes.templates.get(shape) if shape is not None else None
+                if template is not None and (made := shapes.make(template, signature)) is not None:
+                    copies.append(made.task_id)
+                    batch.items.append((made.task_id, made.due_ms, made.stored))
+                    template.sent(made, signature.args, signature.kwargs, batch)
+                    sent.append(template.result(made.task_id))
+                    continue
+                copies.append(copy := _copy_with_id(signature, when))
+                batch.published = None
+                sent.append(copy.apply_async(producer=producer, **when))
+                if shape is not None:
+                    shapes.learn(shape, copy, batch.published, sent[-1])
                 if batch.bypassed:
                     batch.bypassed = False
                     batch.flush()
@@ -138,7 +156,9 @@ def _send_chunk(app: Celery, chunk: list[Signature], when: dict, results: list[A
         failed = failed or exc
     results.extend(sent[:batch.durable])
     if failed is not None:
+        unsent = (copy if isinstance(copy, Signature) else _copy_with_id(signature, when, copy)
+                  for signature, copy in itertools.zip_longest(chunk[batch.durable:], copies[batch.durable:]))
         raise ApplyManyError(f"stopped at signature {len(results) + 1} ({chunk[batch.durable]!r}): {failed}",
-                             scheduled=len(results), unsent=itertools.chain(chunk[batch.durable:], rest)) from failed
+                             scheduled=len(results), unsent=itertools.chain(unsent, rest)) from failed
     if progress:
         progress(len(results))

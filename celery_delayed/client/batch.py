@@ -2,12 +2,12 @@
 signatures' ``apply_async`` calls make, collected (:data:`batching`) and written together."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from contextvars import ContextVar
 from typing import Any
 
 from celery import Celery
 from celery.events import Event
-from celery.result import AsyncResult
 from celery.utils.time import utcoffset
 
 from celery_delayed.store.outcomes import write_retrying
@@ -23,8 +23,9 @@ class Batch:
     ``event_dispatcher`` option), keeping each event until the chunk is stored.
     """
 
-    def __init__(self, app: Celery, sent: list[AsyncResult]) -> None:
+    def __init__(self, app: Celery, sent: list, before: Future | None = None) -> None:
         self.app = app
+        self.before = before  # the write of the chunk before, stored first
         self.items: list[tuple[str, int, bytes]] = []
         self.events: list[dict] = []
         self.sent = sent  # the chunk's signatures sent so far
@@ -45,7 +46,11 @@ class Batch:
         self.last_event = fields
 
     def flush(self) -> None:
-        """Store the chunk's tasks (retried as a broker publish is), then send their events."""
+        """Store the chunk's tasks (retried as a broker publish is), after the chunk before; then send
+        their events."""
+        if self.before is not None:
+            self.before.result()
+            self.before = None
         if self.items:
             conf = self.app.conf
             store = self.app.amqp.delayed_store

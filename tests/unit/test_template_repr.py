@@ -17,3 +17,15 @@ def test_argsrepr_is_what_celery_writes():
         kwargs = {rng.choice(["a", "user_id", "größe", "with space", "1st"]): v for v in items}
         for value, maxsize in ((args, 1024), (kwargs, 1024), (args, 16), (kwargs, 40)):
             assert argsrepr(value, maxsize, 3) == saferepr(value, maxsize, maxlevels=3), value
+
+
+def test_task_ids_made_at_once_are_uuid4s_as_celery_writes_them():
+    import uuid
+
+    from celery_delayed.client.template import _random_ids
+
+    ids = list(_random_ids(5000))
+    assert len(set(ids)) == 5000
+    for task_id in ids:
+        parsed = uuid.UUID(task_id)
+        assert (str(parsed), parsed.version, parsed.variant) == (task_id, 4, uuid.RFC_4122)

@@ -9,7 +9,9 @@ on a fresh key prefix that is removed afterwards:
 - ``apply_many per task``: each signature through ``apply_async`` (the path
   before templates, kept as ``apply_many(..., per_task=True)``);
 - ``apply_many``: tasks made from their shape's template (``results=False``: the
-  client holds no result per task).
+  client holds no result per task);
+- ``apply_many, before_task_publish receiver``: the same with a receiver
+  connected, which sends every task by the per-task path.
 
 Reported per path: tasks/s, the client's peak RSS growth, and the ratios
 ``apply_many`` / floor (goal >= 0.8) and ``apply_many`` / per task; the 10M time at
@@ -17,7 +19,10 @@ Reported per path: tasks/s, the client's peak RSS growth, and the ratios
 template were checked equal, field by field, to the per-task path's stored task
 of the same signature.  The machine is shared: read the ratios of one run.
 
-``python -m bench.bulk [--quick] [--tasks N] [--per-task N] [--only-per-task]``
+The paths run in ``--rounds`` interleaved rounds (each a share of the tasks), so
+each sees the machine's load of the same minutes.
+
+``python -m bench.bulk [--quick] [--tasks N] [--per-task N] [--rounds 3] [--only-per-task]``
 Results (JSON, markdown, PNG of tasks stored over time) go to ``bench/results/``;
 a full run also as ``bulk-latest.*``.
 """
@@ -36,6 +41,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from celery.signals import before_task_publish
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -69,6 +75,10 @@ class Sampler:
         self.rss = self.peak = rss_bytes()
         self.started, self.done = time.perf_counter(), 0
         self.samples: list[tuple[int, float]] = [(0, 0.0)]
+
+    def restart(self) -> None:
+        """Time from now on."""
+        self.started = time.perf_counter()
 
     def __call__(self, done: int) -> None:
         self.progress.update(self.bar, completed=done)
@@ -115,38 +125,54 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
 
     made_ids: list[str] = []
     per_task_ids: list[str] = []
+    tasks, few = opts.tasks // opts.rounds, opts.per_task // opts.rounds
 
     def bulk(sampler: Sampler) -> None:
-        apply_many(signatures(opts.tasks), app=app, progress=sampler, results=False)
+        apply_many(signatures(tasks), app=app, progress=sampler, results=False)
 
     def per_task(sampler: Sampler) -> None:
-        per_task_ids.extend(r.id for r in apply_many(signatures(opts.per_task), app=app, progress=sampler,
-                                                     per_task=True))
+        per_task_ids.extend(apply_many(signatures(few), app=app, progress=sampler, per_task=True).ids)
 
-    paths = []
+    def receiver_connected(sampler: Sampler) -> None:
+        def noop(**_: Any) -> None:
+            """A receiver that could change each message: every task takes the per-task path."""
+        before_task_publish.connect(noop, weak=False)
+        try:
+            apply_many(signatures(few), app=app, progress=sampler, results=False)
+        finally:
+            before_task_publish.disconnect(noop)
+
+    rounds: list[dict[str, Any]] = []
     with installed(app):
         store = store_of(app)
         add.apply_async((0, 0), countdown=3600)  # connections, layout check, scripts loaded
+        message = store.message(add.apply_async((1, 1), countdown=3600).id)  # what apply_many stores for one
+
+        def floor(sampler: Sampler) -> None:
+            now_ms = int(time.time() * 1000)
+            items = [(str(uuid.uuid4()), now_ms + int(countdowns[i] * 1000), message) for i in range(tasks)]
+            sampler.restart()  # the messages are prebuilt: only their writing is timed
+            store.schedule_many(items, progress=_adding(sampler))
+
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:
-            paths.append(measure("apply_many per task", opts.per_task, per_task, progress))
-            message = store.message(per_task_ids[0])
-            now_ms = int(time.time() * 1000)
-            floor_items = [(str(uuid.uuid4()), now_ms + int(countdowns[i] * 1000), message) for i in range(opts.tasks)]
-            if not opts.only_per_task:
-                paths.append(measure("schedule_many (floor)", opts.tasks,
-                                     lambda sampler: store.schedule_many(floor_items, progress=_adding(sampler)),
-                                     progress))
-                del floor_items
-                paths.append(measure("apply_many", opts.tasks, bulk, progress))
-        made_ids.extend(apply_many(signatures(opts.per_task), app=app).ids)  # the same signatures, to compare
+            for n in range(opts.rounds):  # interleaved: each path sees the machine's load of the same minutes
+                rounds.append(measure(f"apply_many per task #{n + 1}", few, per_task, progress))
+                if not opts.only_per_task:
+                    rounds.append(measure(f"schedule_many (floor) #{n + 1}", tasks, floor, progress))
+                    rounds.append(measure(f"apply_many #{n + 1}", tasks, bulk, progress))
+                    rounds.append(measure(f"apply_many, before_task_publish receiver #{n + 1}", few,
+                                          receiver_connected, progress))
+        made_ids.extend(apply_many(signatures(few), app=app).ids)  # the same signatures, to compare
         checked = sum(same_but_ids(Envelope.decode(store.message(a))) == same_but_ids(Envelope.decode(store.message(b)))
-                      for a, b in zip(per_task_ids[1:], made_ids[1:]))  # the first of each: a template's own
+                      for a, b in zip(per_task_ids[1:few], made_ids[1:]))  # the first of each: a template's own
         stored = sum(p["scheduled"] for p in store.counts())
-    expected = 1 + sum(p["tasks"] for p in paths) + len(made_ids)
+    paths = [_merged([r for r in rounds if r["path"].rsplit(" #", 1)[0] == name])
+             for name in dict.fromkeys(r["path"].rsplit(" #", 1)[0] for r in rounds)]
+    expected = 2 + sum(p["tasks"] for p in paths) + len(made_ids)
     rates = {p["path"]: p["per_s"] for p in paths}
     result: dict[str, Any] = {"paths": paths, "stored": stored, "expected": expected,
-                              "checked_equal": checked, "checked": min(len(per_task_ids), len(made_ids)) - 1}
+                              "checked_equal": checked, "checked": min(few, len(made_ids)) - 1}
     if "apply_many" in rates:
         made = rates["apply_many"]
         result.update(floor_ratio=round(made / rates["schedule_many (floor)"], 2),
@@ -156,6 +182,18 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                              made >= GOAL_FLOOR_RATIO * rates["schedule_many (floor)"],
                              f"10M in <= {GOAL_SECONDS_10M} s": 10_000_000 / made <= GOAL_SECONDS_10M})
     return result
+
+
+def _merged(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One path's rounds as one measurement: its tasks over its seconds, its samples end to end."""
+    samples: list[tuple[int, float]] = []
+    done, seconds = 0, 0.0
+    for r in rounds:
+        samples += [(done + n, seconds + s) for n, s in r["samples"]]
+        done, seconds = done + r["tasks"], seconds + r["seconds"]
+    return {"path": rounds[0]["path"].rsplit(" #", 1)[0], "tasks": done, "seconds": round(seconds, 2),
+            "per_s": round(done / seconds), "peak_rss_growth_mb": max(r["peak_rss_growth_mb"] for r in rounds),
+            "samples": samples}
 
 
 def _adding(sampler: Sampler) -> Callable[[int], None]:
@@ -212,6 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, help="tasks for apply_many and schedule_many (default 1000000)")
     parser.add_argument("--per-task", type=int, help="tasks for the per-task path (default 50000)")
     parser.add_argument("--only-per-task", action="store_true", help="measure the per-task path alone")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the paths, interleaved (default 3)")
     opts = parser.parse_args(argv)
     opts.tasks = opts.tasks or (100_000 if opts.quick else 1_000_000)
     opts.per_task = opts.per_task or (5_000 if opts.quick else 50_000)

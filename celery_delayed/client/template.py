@@ -37,6 +37,7 @@ from kombu.serialization import registry
 from kombu.utils import json as kombu_json
 
 from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, deflate, serialize
+from celery_delayed.settings import RECORD_OVERHEAD
 
 #: Options that differ from task to task of one shape.
 PER_TASK = frozenset(("task_id", "eta", "countdown", "expires"))
@@ -104,7 +105,7 @@ class Template:
 
     def __init__(self, app: Celery, task: Task, envelope: Envelope, body: tuple, publish: dict[str, Any],
                  event: dict | None, options: dict[str, Any], result: AsyncResult) -> None:
-        self.app, self.task, self.name = app, task, envelope.task_name
+        self.task, self.name = task, envelope.task_name
         headers, task_id = envelope.headers, envelope.task_id
         self.embed = body[2]
         self.serializer, self.compression = publish["serializer"], publish["compression"]
@@ -140,6 +141,7 @@ class Template:
         self.pieces, self.slots = _cut(frame, filled)
         settings = app.amqp.delayed_settings
         self.compress_min_bytes, self.max_message_bytes = settings.compress_min_bytes, settings.max_message_bytes
+        self.max_record = settings.kafka_message_max_bytes
 
     def make(self, task_id: str, args: tuple, kwargs: dict, due_ms: int, eta: str, expires: str | None
              ) -> Made | None:
@@ -172,10 +174,11 @@ class Template:
             parts.append(piece)
         parts.append(body)
         frame = b"".join(parts)
-        if len(frame) > self.max_message_bytes:
-            return None
-        return Made(deflate(frame, self.compress_min_bytes), task_id, due_ms, values.get("argsrepr"),
-                    values.get("kwargsrepr"), eta, expires)
+        stored = deflate(frame, self.compress_min_bytes)
+        record = len(stored) + len(task_id.encode()) + RECORD_OVERHEAD
+        if len(frame) > self.max_message_bytes or record > self.max_record:
+            return None  # the per-task path refuses it (DelayedAMQP.stored_form)
+        return Made(stored, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
 
     def encode(self, body: tuple) -> bytes | None:
         """``body`` serialized and compressed as kombu's producer does for this template (None: not

@@ -15,7 +15,7 @@ from celery.utils.time import maybe_iso8601
 from kombu.compression import decompress
 from kombu.serialization import loads
 
-from celery_delayed import apply_many, store_of
+from celery_delayed import ApplyManyError, DelayedPublishError, apply_many, store_of
 from celery_delayed.client import template
 from celery_delayed.envelope import Envelope
 from tasks import create_app
@@ -183,3 +183,14 @@ def test_after_publish_receivers_see_every_task_with_its_headers(overrides):
     for (one, one_body), (other, other_body) in zip(per_task, made):
         assert {k for k in one if one[k] != other[k]} == {"id", "root_id", "eta"}
         assert one_body == other_body
+
+
+def test_a_task_too_big_for_its_template_is_refused_as_apply_async_refuses_it(overrides):
+    app = app_with_any_task({**overrides, "delayed_max_message_bytes": 2000})
+    anything = app.tasks["tests.template.anything"]
+    signatures = [anything.s("x" * 10).set(countdown=600) for _ in range(3)] + [anything.s("x" * 3000).set(
+        countdown=600)]
+    for per_task in (True, False):
+        with pytest.raises(ApplyManyError, match="over delayed_max_message_bytes=2000") as failed:
+            apply_many(signatures, app=app, per_task=per_task)
+        assert failed.value.scheduled == 3 and isinstance(failed.value.__cause__, DelayedPublishError)

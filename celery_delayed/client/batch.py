@@ -2,12 +2,12 @@
 signatures' ``apply_async`` calls make, collected (:data:`batching`) and written together."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from contextvars import ContextVar
 from typing import Any
 
 from celery import Celery
 from celery.events import Event
-from celery.result import AsyncResult
 from celery.utils.time import utcoffset
 
 from celery_delayed.store.outcomes import write_retrying
@@ -23,15 +23,18 @@ class Batch:
     ``event_dispatcher`` option), keeping each event until the chunk is stored.
     """
 
-    def __init__(self, app: Celery, sent: list[AsyncResult]) -> None:
+    def __init__(self, app: Celery, sent: list, before: Future | None = None) -> None:
         self.app = app
+        self.before = before  # the write of the chunk before, stored first
         self.items: list[tuple[str, int, bytes]] = []
         self.events: list[dict] = []
         self.sent = sent  # the chunk's signatures sent so far
         self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
         self.bypassed = False  # a message of the signature being sent went around the batch
         self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
-        self._publish_options: dict[str, Any] = {}
+        self.event_options: dict[str, Any] = {}
+        self.last_event: dict | None = None  # the fields of the last task-sent event, and what
+        self.published: dict[str, Any] | None = None  # Celery published last (for client.template)
 
     def publish(self, type: str, fields: dict, producer: Any, retry: bool = False,
                 retry_policy: dict | None = None, **_: Any) -> None:
@@ -39,10 +42,15 @@ class Batch:
         dispatcher = self._dispatcher
         self.events.append(Event(type, hostname=dispatcher.hostname, utcoffset=utcoffset(), pid=dispatcher.pid,
                                  clock=dispatcher.clock.forward(), **fields))
-        self._publish_options = {"retry": retry, "retry_policy": retry_policy}
+        self.event_options = {"retry": retry, "retry_policy": retry_policy}
+        self.last_event = fields
 
     def flush(self) -> None:
-        """Store the chunk's tasks (retried as a broker publish is), then send their events."""
+        """Store the chunk's tasks (retried as a broker publish is), after the chunk before; then send
+        their events."""
+        if self.before is not None:
+            self.before.result()
+            self.before = None
         if self.items:
             conf = self.app.conf
             store = self.app.amqp.delayed_store
@@ -56,7 +64,7 @@ class Batch:
                     producer.publish(self.events[start:start + EVENTS_PER_MESSAGE], routing_key="task.multi",
                                      exchange=dispatcher.exchange.name, declare=[dispatcher.exchange],
                                      serializer=dispatcher.serializer, headers=dispatcher.headers,
-                                     delivery_mode=dispatcher.delivery_mode, **self._publish_options)
+                                     delivery_mode=dispatcher.delivery_mode, **self.event_options)
             self.events = []
         self.durable = len(self.sent)
 

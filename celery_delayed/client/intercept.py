@@ -91,7 +91,10 @@ class DelayedAMQP(AMQP):
             store_producer = _StoreProducer(producer, self, self._queue_name(options), due_ms)
             if batch := self._batch():  # the task-sent event waits for the batch's write
                 options["event_dispatcher"] = batch
+                batch.published = batch.last_event = None
             sent = send(store_producer, name, message, **options)
+            if batch and store_producer.published:  # the template of its shape (client.template)
+                batch.published = dict(store_producer.published, event=batch.last_event)
             if store_producer.expired:
                 record_revoked(self.app, store_producer.envelope.task_id, store_producer.envelope, "expired",
                                expired=True)
@@ -170,6 +173,7 @@ class _StoreProducer:
         self.queue = queue
         self.envelope: Envelope | None = None
         self.expired = False
+        self.published: dict[str, Any] | None = None  # what Celery published, when it joined a batch
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._producer, name)
@@ -181,7 +185,7 @@ class _StoreProducer:
                                           serializer=serializer, headers=headers, compression=compression,
                                           content_type=content_type, content_encoding=content_encoding,
                                           **properties)
-        headers = dict(headers or {})
+        headers_given, headers = headers, dict(headers or {})
         data, content_type, content_encoding = serialize(body, serializer, compression, headers)
         self.envelope = envelope = Envelope(
             task_id=headers["id"], queue=self.queue, headers=headers, body=data,
@@ -193,11 +197,14 @@ class _StoreProducer:
         stored = self._amqp.stored_form(envelope)
         expires_ms = header_ms(headers, "expires")
         self.expired = expires_ms is not None and expires_ms <= self._due_ms
-        if not self.expired:
-            self._write(envelope, stored, properties.get("retry"), properties.get("retry_policy") or {})
+        if not self.expired and self._write(envelope, stored, properties.get("retry"),
+                                            properties.get("retry_policy") or {}):
+            self.published = {"envelope": envelope, "body": body, "serializer": serializer,
+                              "compression": compression, "exchange": exchange, "routing_key": routing_key,
+                              "headers": headers_given}
         self._stored = True
 
-    def _write(self, envelope: Envelope, stored: bytes, retry: bool | None, policy: dict) -> None:
+    def _write(self, envelope: Envelope, stored: bytes, retry: bool | None, policy: dict) -> bool:
         """Store the task, retrying an unreachable store by the publish retry policy.
 
         The retry of the task running here is retried until it is stored, whether
@@ -206,7 +213,8 @@ class _StoreProducer:
         while the task was never done.  A retry due sooner than ``delayed_min_delay``
         goes to Celery's broker instead, its publish retried the same way.
         A retry (a higher ``retries``) replaces an older copy of the task still scheduled.
-        Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it.
+        Inside :func:`.bulk.apply_many`, a first attempt joins the batch instead, written with it:
+        then it returns True.
         """
         own_retry = _is_own_retry(envelope.task_id)
         attempt = attempt_of(envelope.headers)
@@ -216,7 +224,7 @@ class _StoreProducer:
         if batch is not None:
             if not own_retry and not attempt and not key:
                 batch.items.append((envelope.task_id, self._due_ms, stored))
-                return
+                return True
             batch.bypass()  # what is batched is stored before this
         store, app, task_id = self._amqp.delayed_store, self._amqp.app, envelope.task_id
 
@@ -229,11 +237,11 @@ class _StoreProducer:
             logger.info("task %s [%s] was revoked: not scheduled again under key %r", envelope.task_name, task_id,
                         key)
             record_revoked(app, task_id, envelope, "revoked")
-            return
+            return False
         holder = retrying(store.key_holder, key) if mode == "keep" else None
         if holder not in (None, task_id) and retrying(store.get, holder) is not None:
             self._refuse(key, holder, envelope)
-            return
+            return False
         if retrying(store.schedule, task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, task_id)
@@ -249,6 +257,7 @@ class _StoreProducer:
             if previous not in (None, task_id):
                 logger.info("task %s [%s] replaces %s under key %r", envelope.task_name, task_id, previous, key)
                 cancel_scheduled(app, [previous], reason="replaced")
+        return False
 
     def _refuse(self, key: str, holder: str, envelope: Envelope) -> None:
         """``delayed_key_mode="keep"`` while ``holder`` is scheduled under ``key``: the task is not

@@ -113,3 +113,56 @@ def test_a_failure_after_the_body_carries_a_traceback_through_a_step_failures_py
             assert seen == expected, task.name
     finally:
         signals.task_failure.disconnect(failure)
+
+
+def test_what_a_template_reads_of_celery_is_where_it_reads_it():
+    """client/template.py reads ``amqp.router.routes`` (a ``MapRoute`` sees only the task's name),
+    ``amqp.argsrepr_maxsize``/``kwargsrepr_maxsize``, a task's ``typing``/``__header__`` (the argument
+    check of ``apply_async``), and the receivers of the publish signals."""
+    from celery import signals
+    from celery.app.routes import MapRoute
+
+    app = create_app(task_routes={"tasks.demo.*": {"queue": "q"}})
+    assert [type(route) for route in app.amqp.router.routes] == [MapRoute]
+    assert isinstance(app.amqp.argsrepr_maxsize, int) and isinstance(app.amqp.kwargsrepr_maxsize, int)
+    add = app.tasks["tasks.demo.add"]
+    assert add.typing
+    with pytest.raises(TypeError):
+        add.__header__(1, 2, 3)
+    for signal in (signals.before_task_publish, signals.after_task_publish, signals.task_sent):
+        assert isinstance(signal.receivers, list)
+
+
+def test_a_templates_times_are_as_task_v2s():
+    """Shapes.times writes ``eta``/``expires`` as ``as_task_v2`` does, without its per-call zone lookups:
+    now in UTC plus the seconds, in the app's zone."""
+    from datetime import datetime, timedelta, timezone
+
+    for zone in ("UTC", "Europe/Paris", "America/New_York"):
+        app = create_app(timezone=zone)
+        now = datetime(2026, 10, 25, 0, 30, 15, 123456, tzinfo=timezone.utc)  # a DST change in Paris
+        for seconds in (1.5, 3600, 7200.25, 86_400 * 40):
+            message = app.amqp.as_task_v2("id", "tasks.demo.add", countdown=seconds, expires=seconds * 2,
+                                          now=now.astimezone(app.timezone))
+            ours = (now + timedelta(seconds=seconds)).astimezone(app.timezone)
+            assert message.headers["eta"] == ours.isoformat(), (zone, seconds)
+            assert message.headers["expires"] == (now + timedelta(seconds=seconds * 2)).astimezone(
+                app.timezone).isoformat()
+
+
+def test_kombus_json_serializer_is_its_json_encoder():
+    """client/template.py encodes JSON bodies with one ``kombu.utils.json.JSONEncoder`` (kombu's
+    ``dumps`` makes one per call): the same bytes as kombu's registered serializer."""
+    import uuid
+    from datetime import datetime
+    from decimal import Decimal
+
+    from kombu.serialization import dumps
+
+    from celery_delayed.client.template import _json_encoder
+
+    encode = _json_encoder()
+    assert encode is not None
+    for body in [((1, "two"), {"k": [None, 1.5]}, {"callbacks": None}),
+                 ((datetime(2026, 1, 2, 3, 4, 5), uuid.UUID(int=5), Decimal("1.5"), "naïve ☃"), {}, {})]:
+        assert encode(body) == dumps(body, serializer="json")[2]

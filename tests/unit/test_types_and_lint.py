@@ -14,7 +14,7 @@ pytest.importorskip("mypy", reason="mypy is a dev tool: scripts/test has it, tes
 #: The modules held clean (paths under celery_delayed/).
 CHECKED = [
     "__init__.py", "backend.py", "inert.py", "metrics.py",
-    "client/__init__.py", "client/batch.py", "client/schedules.py",
+    "client/__init__.py", "client/batch.py", "client/bulk.py", "client/schedules.py", "client/template.py",
     "recurring/__init__.py", "recurring/rules.py", "recurring/occurrences.py", "recurring/definitions.py",
     "store/__init__.py", "store/keys.py", "store/layout.py", "store/records.py", "store/revoke.py",
     "store/scripts.py",

@@ -1,0 +1,334 @@
+"""Messages from a template, for :func:`.bulk.apply_many`.
+
+Most tasks of a campaign share everything but their id, arguments and times.
+The first task of each *shape* (its task and options, but for its id, ``eta``,
+``countdown`` and ``expires``) is sent by Celery itself (``apply_async``); what
+Celery built for it is kept as a :class:`Template`, and each later task of that
+shape is made from it: a new id (and root id), its arguments (serialized as
+kombu does, ``argsrepr``/``kwargsrepr`` as Celery writes them), ETA and expiry,
+in the stored form the per-task path would write.  Its task-sent event and
+``after_task_publish`` are sent as Celery sends them.
+
+Whatever a template cannot reproduce goes by the per-task path: canvases, tasks
+whose class overrides ``apply_async`` or ``shadow_name``, routers that are
+functions (they see the arguments), a ``before_task_publish`` or ``task_sent``
+receiver (it may change each message), a call from inside a task (its children
+are linked to it), and any task that is not delayed, already expired, keyed or
+oversized.  ``tests/unit/test_celery_seams.py`` pins the Celery internals relied on.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from json.encoder import encode_basestring_ascii
+from typing import Any
+
+from celery import Celery, signals
+from celery.app.routes import MapRoute
+from celery.app.task import Task
+from celery.canvas import Signature
+from celery.result import AsyncResult
+from celery.utils.saferepr import saferepr
+from celery.utils.time import maybe_make_aware
+from kombu.compression import compress
+from kombu.serialization import registry
+from kombu.utils import json as kombu_json
+
+from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, deflate, serialize
+from celery_delayed.settings import RECORD_OVERHEAD
+
+#: Options that differ from task to task of one shape.
+PER_TASK = frozenset(("task_id", "eta", "countdown", "expires"))
+#: Headers a template fills in per task, and the placeholders standing for them while it is built.
+SLOTS = {name: f"\0{name}\0" for name in ("id", "argsrepr", "kwargsrepr", "expires")}
+#: Task ids drawn from the system's random source at once.
+IDS_AT_ONCE = 1024
+#: Argument types whose ``repr`` is what Celery's ``saferepr`` writes (when short: see :func:`argsrepr`).
+_PLAIN = (int, float, bool, type(None))
+
+
+class _NoShape(Exception):
+    """An option value a shape cannot be keyed by (not plain data)."""
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` as a hashable key telling apart what Celery would serialize differently."""
+    kind = type(value)
+    if kind in (str, int, float, bool, bytes, datetime) or value is None:
+        return kind, value
+    if isinstance(value, dict):  # Signatures too
+        return kind, tuple((_frozen(k), _frozen(v)) for k, v in value.items())
+    if kind in (list, tuple):
+        return kind, tuple(_frozen(v) for v in value)
+    raise _NoShape
+
+
+def argsrepr(value: tuple | list | dict, maxsize: int, maxlevels: int) -> str:
+    """``saferepr(value, maxsize, maxlevels=maxlevels)``, as Celery writes it in a message's headers,
+    by plain ``repr`` when every item is a number, bool, None or short ASCII string (where they agree)."""
+    items = value.values() if type(value) is dict else value
+    if all(type(item) in _PLAIN or (type(item) is str and _plain_text(item)) for item in items) \
+            and (type(value) is not dict or all(type(key) is str and key.isidentifier() for key in value)):
+        text = repr(value)
+        if len(text) < maxsize // 2:
+            return text
+    return saferepr(value, maxsize, maxlevels=maxlevels)
+
+
+def _plain_text(text: str) -> bool:
+    """Whether ``repr`` writes ``text`` as ``saferepr`` does: short printable ASCII, no quote nor backslash."""
+    return len(text) < 64 and text.isascii() and text.isprintable() and "'" not in text and "\\" not in text
+
+
+@dataclass
+class Made:
+    """One task made from a template: its stored form, and the headers its events repeat."""
+
+    stored: bytes
+    task_id: str
+    due_ms: int
+    argsrepr: str | None  # None: the template's own (given as an option)
+    kwargsrepr: str | None
+    eta: str
+    expires: str | None
+
+
+class Template:
+    """A shape's message as Celery built it for one task, to make the shape's other tasks from.
+
+    The compact frame of the template's envelope is cut where the per-task
+    headers go (:data:`SLOTS`); a task's frame is the pieces joined with its
+    values, then its serialized body.
+    """
+
+    def __init__(self, app: Celery, task: Task, envelope: Envelope, body: tuple, publish: dict[str, Any],
+                 event: dict | None, options: dict[str, Any], result: AsyncResult) -> None:
+        self.task, self.name = task, envelope.task_name
+        headers, task_id = envelope.headers, envelope.task_id
+        self.embed = body[2]
+        self.serializer, self.compression = publish["serializer"], publish["compression"]
+        self.exchange, self.routing_key = publish["exchange"], publish["routing_key"]
+        self.content = envelope.content_type, envelope.content_encoding
+        self._json = _json_encoder() if self.serializer == "json" and self.content == (JSON_TYPE, JSON_ENCODING) \
+            else None
+        self.own_root = headers.get("root_id") == task_id
+        self.repr_args = "argsrepr" not in options
+        self.repr_kwargs = "kwargsrepr" not in options
+        self.has_expires = options.get("expires") is not None
+        self.ignored = result.ignored
+        self.check = getattr(task, "__header__", None) if task.typing else None
+        conf = app.conf
+        self.maxsizes = app.amqp.argsrepr_maxsize, app.amqp.kwargsrepr_maxsize, conf.task_repr_maxlevels
+        self.event = event
+        self.after_headers = dict(publish["headers"])
+        slotted = dict(headers, id=SLOTS["id"])
+        if self.own_root:
+            slotted["root_id"] = SLOTS["id"]
+        filled = ["id"]
+        for name, own in (("argsrepr", self.repr_args), ("kwargsrepr", self.repr_kwargs),
+                          ("expires", self.has_expires)):
+            if own:
+                slotted[name] = SLOTS[name]
+                filled.append(name)
+        properties = dict(envelope.properties)
+        if properties.get("correlation_id") == task_id:
+            properties["correlation_id"] = SLOTS["id"]
+        frame = Envelope(task_id=SLOTS["id"], queue=envelope.queue, headers=slotted, body=b"",
+                         content_type=envelope.content_type, content_encoding=envelope.content_encoding,
+                         properties=properties, exchange=envelope.exchange, routing_key=envelope.routing_key).encode()
+        self.pieces, self.slots = _cut(frame, filled)
+        settings = app.amqp.delayed_settings
+        self.compress_min_bytes, self.max_message_bytes = settings.compress_min_bytes, settings.max_message_bytes
+        self.max_record = settings.kafka_message_max_bytes
+
+    def make(self, task_id: str, args: tuple, kwargs: dict, due_ms: int, eta: str, expires: str | None
+             ) -> Made | None:
+        """The task ``task_id`` of this shape, or None when it must take the per-task path.
+        Raises what ``apply_async`` raises for arguments the task does not take or cannot serialize."""
+        if self.check is not None:
+            self.check(*args, **kwargs)
+        if (type(args) is not tuple and type(args) is not list) or not isinstance(kwargs, dict):
+            return None
+        maxsize_args, maxsize_kwargs, maxlevels = self.maxsizes
+        values = {"id": task_id}
+        if self.repr_args:
+            values["argsrepr"] = argsrepr(args, maxsize_args, maxlevels)
+        if self.repr_kwargs:
+            values["kwargsrepr"] = argsrepr(kwargs, maxsize_kwargs, maxlevels)
+        if self.has_expires:
+            if expires is None:
+                return None
+            values["expires"] = expires
+        try:
+            body = self.encode((args, kwargs, self.embed))
+        except Exception:  # the per-task path raises it as Celery does
+            return None
+        if body is None:
+            return None
+        pieces = self.pieces
+        parts = [pieces[0]]
+        for slot, piece in zip(self.slots, pieces[1:]):
+            parts.append(encode_basestring_ascii(values[slot]).encode())
+            parts.append(piece)
+        parts.append(body)
+        frame = b"".join(parts)
+        stored = deflate(frame, self.compress_min_bytes)
+        record = len(stored) + len(task_id.encode()) + RECORD_OVERHEAD
+        if len(frame) > self.max_message_bytes or record > self.max_record:
+            return None  # the per-task path refuses it (DelayedAMQP.stored_form)
+        return Made(stored, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
+
+    def encode(self, body: tuple) -> bytes | None:
+        """``body`` serialized and compressed as kombu's producer does for this template (None: not
+        as the template's content type says)."""
+        if self._json is not None:
+            data = self._json(body).encode()
+            return compress(data, self.compression)[0] if self.compression else data
+        data, content_type, content_encoding = serialize(body, self.serializer, self.compression, {})
+        return data if (content_type, content_encoding) == self.content else None
+
+    def sent(self, made: Made, args: tuple, kwargs: dict, batch: Any) -> None:
+        """What Celery does once a task is published: ``after_task_publish``, then its task-sent event."""
+        root_id = made.task_id if self.own_root else self.after_headers.get("root_id")
+        changed = {"id": made.task_id, "root_id": root_id, "eta": made.eta}
+        if made.argsrepr is not None:
+            changed["argsrepr"] = made.argsrepr
+        if made.kwargsrepr is not None:
+            changed["kwargsrepr"] = made.kwargsrepr
+        if self.has_expires:
+            changed["expires"] = made.expires
+        if signals.after_task_publish.receivers:
+            signals.after_task_publish.send(sender=self.name, body=(args, kwargs, self.embed),
+                                            headers={**self.after_headers, **changed},
+                                            exchange=self.exchange, routing_key=self.routing_key)
+        if self.event is not None:
+            fields = dict(self.event, uuid=made.task_id, root_id=root_id, eta=made.eta, expires=changed.get(
+                "expires", self.event.get("expires")))
+            fields["args"] = changed.get("argsrepr", self.event["args"])
+            fields["kwargs"] = changed.get("kwargsrepr", self.event["kwargs"])
+            batch.publish("task-sent", fields, None, **batch.event_options)
+
+    def result(self, task_id: str) -> AsyncResult:
+        """The task's result, as ``send_task`` returns it."""
+        result = self.task.AsyncResult(task_id)
+        result.ignored = self.ignored
+        return result
+
+
+def _json_encoder() -> Callable[[Any], str] | None:
+    """kombu's JSON serializer without an encoder built per call (``kombu.utils.json.dumps`` calls
+    ``json.dumps(cls=JSONEncoder)``: the same output), or None when another one is registered."""
+    if registry._encoders["json"].encoder is not kombu_json.dumps:
+        return None
+    return kombu_json.JSONEncoder().encode
+
+
+def _random_ids(count: int) -> Iterator[str]:
+    """``count`` random task ids, as ``str(uuid.uuid4())`` writes them (version 4, RFC 4122 variant)."""
+    hexes = os.urandom(16 * count).hex()
+    for at in range(0, 32 * count, 32):
+        h = hexes[at:at + 32]
+        yield f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:]}"
+
+
+#: The first hex digit of a version 4 UUID's fourth group, from a random one: its variant bits set to 10.
+_VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
+
+
+def _cut(frame: bytes, filled: list[str]) -> tuple[list[bytes], list[str]]:
+    """``frame`` cut at each placeholder of ``filled``: the pieces between, and the slots in order."""
+    marks = sorted((frame.index(encode_basestring_ascii(SLOTS[name]).encode()), name) for name in filled)
+    pieces, slots, start = [], [], 0
+    for at, name in marks:
+        pieces.append(frame[start:at])
+        slots.append(name)
+        start = at + len(encode_basestring_ascii(SLOTS[name]))
+    pieces.append(frame[start:])
+    return pieces, slots
+
+
+class Shapes:
+    """The templates of one :func:`.bulk.apply_many` call, by shape; which tasks can be made from one."""
+
+    def __init__(self, app: Celery, when: dict[str, Any], enabled: bool = True) -> None:
+        self.app, self.when = app, when
+        self.templates: dict[Hashable, Template | None] = {}
+        conf, amqp = app.conf, app.amqp
+        self.enabled = (enabled and conf.task_protocol == 2 and not conf.task_always_eager
+                        and app.current_worker_task is None and not signals.before_task_publish.receivers
+                        and not signals.task_sent.receivers
+                        and all(type(route) is MapRoute for route in amqp.router.routes))
+        self._ids: Iterator[str] = iter(())
+        self.min_delay_ms = amqp.delayed_settings.min_delay * 1000
+        self.zone = app.timezone
+
+    def shape(self, signature: Signature) -> Hashable | None:
+        """The key of ``signature``'s shape, or None when it cannot be made from a template."""
+        if not self.enabled or type(signature) is not Signature:
+            return None
+        try:
+            return signature.task, tuple((k, _frozen(v)) for k, v in signature.options.items()
+                                         if k not in PER_TASK and v is not None), self.has_expires(signature)
+        except _NoShape:
+            return None
+
+    @staticmethod
+    def has_expires(signature: Signature) -> bool:
+        return signature.options.get("expires") is not None
+
+    def learn(self, shape: Hashable, signature: Signature, published: dict[str, Any] | None,
+              result: AsyncResult) -> None:
+        """Keep what Celery published for ``signature`` as its shape's template (None: the shape is
+        not made from templates)."""
+        task = self.app.tasks.get(signature.task)
+        if shape in self.templates or published is None or task is None:
+            return
+        kind = type(task)
+        envelope = published["envelope"]
+        own_times = envelope.headers.get("expires") is None or self.has_expires(signature)
+        plain = kind.apply_async is Task.apply_async and kind.shadow_name is Task.shadow_name
+        self.templates[shape] = Template(self.app, task, envelope, published["body"], published, published["event"],
+                                         {k: v for k, v in signature.options.items() if v is not None},
+                                         result) if plain and own_times else None
+
+    def make(self, template: Template, signature: Signature) -> Made | None:
+        """``signature``'s task made from ``template`` (its shape's), or None when it takes the per-task path."""
+        times = self.times(signature)
+        if times is None:
+            return None
+        task_id = signature.options.get("task_id") or next(self._ids, None) or self._more_ids()
+        return template.make(task_id, signature.args, signature.kwargs, *times)
+
+    def _more_ids(self) -> str:
+        """The next of a new series of random (version 4) task ids: ``str(uuid4())`` reads the system's
+        random source once per id, a third of a task's time on a busy machine."""
+        self._ids = _random_ids(IDS_AT_ONCE)
+        return next(self._ids)
+
+    def times(self, signature: Signature) -> tuple[int, str, str | None] | None:
+        """``(due_ms, eta, expires)`` of ``signature``, the times as Celery's ``as_task_v2`` writes them
+        (ISO strings), or None when it is not a delayed task a template can make."""
+        options = self.when or signature.options
+        countdown, eta = options.get("countdown"), options.get("eta")
+        now = datetime.now(timezone.utc)
+        if countdown:  # (now + countdown, in the app's zone: what app.now() and add_seconds_to_datetime give)
+            if type(countdown) not in (int, float):
+                return None  # the per-task path checks it
+            eta = (now + timedelta(seconds=countdown)).astimezone(self.zone)
+        if not isinstance(eta, datetime):
+            return None  # none, or a string: the per-task path parses it
+        due_ms = int(maybe_make_aware(eta).timestamp() * 1000)
+        if due_ms - now.timestamp() * 1000 < self.min_delay_ms:
+            return None
+        expires = signature.options.get("expires")
+        if type(expires) in (int, float):
+            expires = (now + timedelta(seconds=expires)).astimezone(self.zone)
+        if isinstance(expires, datetime):
+            if int(maybe_make_aware(expires).timestamp() * 1000) <= due_ms:
+                return None  # expired when due: recorded revoked by the per-task path
+            expires = expires.isoformat()
+        elif expires is not None:
+            return None
+        return due_ms, eta.isoformat(), expires

@@ -553,7 +553,7 @@ CLOCKED = ["clock-step"]
 CLUSTER_ONLY = ["redis-failover"]
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).
 QUICK = ["poller-kill", "poller-pause", "poller-starve", "worker-kill", "child-kill", "redis-restart",
-         "kafka-restart", "etcd-restart", "etcd-leader-kill", "rolling-deploy", "partition-poller-etcd", "lost-reply"]
+         "kafka-restart", "etcd-restart", "etcd-leader-kill", "rolling-deploy", "partition-poller-etcd"]
 #: Faults run after all others (the rest are measured first): a wipe starts etcd over (a new fencing epoch).
 LAST = ["etcd-wipe"]
 

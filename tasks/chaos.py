@@ -19,6 +19,9 @@ from celery import shared_task
 RETRY_COUNTDOWN = 3.0
 #: Seconds a side effect's task works after writing it: a kill then is a kill mid-task.
 EFFECT_WORK_SECONDS = 0.005
+#: The environment variable in which the chaos runner gives its wall clock minus the monotonic clock (s).
+WALL_MINUS_MONOTONIC = "CD_CHAOS_WALL_MINUS_MONOTONIC"
+_WALL_MINUS_MONOTONIC = float(os.environ.get(WALL_MINUS_MONOTONIC) or time.time() - time.monotonic())
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (task_id TEXT NOT NULL, attempt INTEGER NOT NULL, pid INTEGER NOT NULL,
@@ -49,12 +52,18 @@ def ledger(path: str) -> sqlite3.Connection:
     return _connections[key]
 
 
+def wall_ms() -> int:
+    """Now in epoch ms by the runner's wall clock (the machine's monotonic clock plus the runner's offset),
+    not this process's, which a chaos fault may have stepped (tests/chaos/clock.py)."""
+    return int((time.monotonic() + _WALL_MINUS_MONOTONIC) * 1000)
+
+
 @shared_task(name="tasks.chaos.step", bind=True, max_retries=1)
 def step(self, path: str, kind: str, due_ms: int) -> str:
     """Record this execution; then, by ``kind``: ``effect`` writes a side effect keyed by the task id,
     ``retry`` retries once through the store (recording when its retry is due), ``fail`` fails for good
     (so it is dead-lettered).  ``due_ms`` is the task's first due time (a worker sees no ETA header)."""
-    start_ms = int(time.time() * 1000)
+    start_ms = wall_ms()
     attempt = self.request.retries or 0
     db = ledger(path)
     db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
@@ -66,7 +75,7 @@ def step(self, path: str, kind: str, due_ms: int) -> str:
         time.sleep(EFFECT_WORK_SECONDS)
     elif kind == "retry" and attempt == 0:
         db.execute("INSERT INTO retries VALUES (?, ?, ?)",
-                   (self.request.id, attempt, int((time.time() + RETRY_COUNTDOWN) * 1000)))
+                   (self.request.id, attempt, wall_ms() + int(RETRY_COUNTDOWN * 1000)))
         raise self.retry(countdown=RETRY_COUNTDOWN, exc=RuntimeError("first attempt of a retry task"))
     elif kind == "fail":
         raise MeantToFail(f"task {self.request.id} is meant to fail")

@@ -218,15 +218,16 @@ class _StoreProducer:
         """
         own_retry = _is_own_retry(envelope.task_id)
         attempt = attempt_of(envelope.headers)
+        store, app, task_id = self._amqp.delayed_store, self._amqp.app, envelope.task_id
+        due_ms = store.on_store_clock(self._due_ms)
         keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
         key, mode = keyed or (None, None)
         batch = self._amqp._batch()
         if batch is not None:
             if not own_retry and not attempt and not key:
-                batch.items.append((envelope.task_id, self._due_ms, stored))
+                batch.items.append((envelope.task_id, due_ms, stored))
                 return True
             batch.bypass()  # what is batched is stored before this
-        store, app, task_id = self._amqp.delayed_store, self._amqp.app, envelope.task_id
 
         def retrying(write: Any, *args: Any, **kwargs: Any) -> Any:
             return write_retrying(write, args, kwargs,
@@ -242,7 +243,7 @@ class _StoreProducer:
         if holder not in (None, task_id) and retrying(store.get, holder) is not None:
             self._refuse(key, holder, envelope)
             return False
-        if retrying(store.schedule, task_id, self._due_ms, stored, attempt=attempt) is Stored.KEPT:
+        if retrying(store.schedule, task_id, due_ms, stored, attempt=attempt) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, task_id)
         if mode == "keep":  # stored first, then the key if nobody took it meanwhile

@@ -21,6 +21,7 @@ store's reads are in :mod:`.inspection`; its start-up checks in :mod:`.durabilit
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +61,11 @@ CANCEL_KEPT_MS = 60_000
 #: Most ``(task_id, stamp)`` pairs per ack/nack script call: their variadic commands must stay
 #: within Lua's ``unpack`` limit (~8000 values).
 SCRIPT_PAIRS = 1000
+#: A process's clock is taken as the store's when they differ by less than this (ms): within dispatch's
+#: precision and a round trip's noise.  Larger, a due time it computes is moved to the store's clock.
+SKEW_TOLERANCE_MS = 1000
+#: How long (s) a process's measured skew to the store's clock is kept: a step of its clock is seen within it.
+SKEW_KEPT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class DelayedStore(Inspection):
         self.scripts = Scripts(self.redis)
         self.durable = DurableWrites(self)
         self._unread_claims: dict[int, str] = {}  # partition -> request id of a claim whose reply was not read
+        self._skew_ms, self._skew_until = 0, 0.0  # the store's clock minus this process's, and until when it holds
 
     # -- keys --------------------------------------------------------------
     def partition(self, task_id: str) -> int:
@@ -271,6 +278,22 @@ class DelayedStore(Inspection):
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
         seconds, micros = self._call_redis(self.redis.time)
         return seconds * 1000 + micros // 1000
+
+    def on_store_clock(self, due_ms: int) -> int:
+        """``due_ms``, worked out by this process's clock (a countdown, a retry's delay), as the store's clock
+        reads it: the store's clock decides when a task is due, so a process whose wall clock is off (stepped
+        30 s ahead, say) must not make its tasks that late.  The skew is measured (``TIME``) at most once
+        every :data:`SKEW_KEPT_S`; one under :data:`SKEW_TOLERANCE_MS` counts as none, and while the store
+        cannot be asked, the last one measured holds (the write that follows fails or waits anyway)."""
+        if time.monotonic() >= self._skew_until:
+            try:
+                before = time.time() * 1000
+                skew = self.now_ms() - (before + time.time() * 1000) / 2
+                self._skew_ms = int(skew) if abs(skew) >= SKEW_TOLERANCE_MS else 0
+                self._skew_until = time.monotonic() + SKEW_KEPT_S
+            except STORE_ERRORS:
+                pass
+        return due_ms + self._skew_ms
 
     # -- dispatch ------------------------------------------------------------
     def claim(self, partition: int, token: int, limit: int, paused: Iterable[str] = (),

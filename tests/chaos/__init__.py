@@ -11,7 +11,8 @@ run, as a client would), while a seeded schedule of faults kills, pauses and sta
 pollers and workers, restarts Redis, Kafka and etcd (the pollers lead through
 the 3-member etcd cluster ``etcd3`` of scripts/services; one fault kills its
 raft leader) and (``--store cluster``) fails a Redis Cluster primary over to
-its replica.  Every execution is
+its replica; links are slowed, silenced and made to lose replies through Toxiproxy, and
+wall clocks stepped under libfaketime.  Every execution is
 recorded in a SQLite ledger outside the servers; the ledger is then checked
 by task id, and each fault is charged with the losses, duplicates and
 recovery time that follow it.  Results go to ``tests/chaos/results/``.

@@ -66,21 +66,22 @@ def recovery_s(fault: Injected, on_time: list[tuple[int, bool]], load_end_ms: in
     """Seconds from the fault's start until dispatch is back: the first due time after its end from
     which every task due within :data:`BACK_WINDOW_MS` started within :data:`ON_TIME_MS`.
 
-    ``on_time`` is ``(due_ms, started on time)`` of every execution, sorted by due time; None when
-    dispatch never came back in the run, ``"after the load"`` for a fault that ended too late to tell
-    (``load_end_ms``: the last first due time of the load)."""
+    ``on_time`` is ``(due_ms, started on time)`` of every execution, sorted by due time; ``"after the
+    load"`` when no such window starts before the load's last due time (``load_end_ms``): the fault ended
+    too late to tell, or tasks were still late when the load ran out (a backlog worked off after it;
+    not "never back": every one of them ran); None when no task due after the fault's end ran at all."""
     if fault.end_ms + BACK_WINDOW_MS > load_end_ms:
         return "after the load"
     dues = [d for d, _ in on_time]
     late = [d for d, ok in on_time if not ok]
-    for i in range(bisect.bisect_left(dues, fault.end_ms), len(on_time)):
-        due = dues[i]
+    first = bisect.bisect_left(dues, fault.end_ms)
+    for due in dues[first:]:
+        if due + BACK_WINDOW_MS > dues[-1]:  # no whole window of tasks left: the run's tail
+            break
         j = bisect.bisect_left(late, due)
         if j == len(late) or late[j] > due + BACK_WINDOW_MS:
-            if dues[-1] >= due + BACK_WINDOW_MS:  # a whole window of tasks, not the run's tail
-                return round((due - fault.start_ms) / 1000, 1)
-            return None
-    return None
+            return round((due - fault.start_ms) / 1000, 1)
+    return "after the load" if first < len(dues) else None
 
 
 def _lost(tasks: list[Planned], runs: list[tuple], faults: list[Injected], pending: set[str]

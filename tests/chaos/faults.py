@@ -24,7 +24,9 @@ from celery_delayed.settings import Settings
 from tests.integration.support import (ROOT, Processes, Starver, etcd3_leader, kill9, leaders, server_pid,
                                        wait_for)
 
+from . import clock
 from .network import Host, Hosts
+from .proxies import Proxies
 
 #: Seconds an etcd leader that was killed stays down: longer than an election (election timeout 1 s).
 ETCD_LEADER_DOWN_S = 4.0
@@ -46,6 +48,15 @@ CUT_S = 10.0
 LOSSY_S = 20.0
 #: Share of the packets a lossy link drops.
 LOSS = 0.05
+#: Seconds a server answers late (slow-redis, slow-kafka), not at all (silent-redis), or loses its replies.
+SLOW_S = 20.0
+SILENT_S = 10.0
+LOST_REPLY_S = 5.0
+#: Bounds of a slow server's delay (ms): a seeded centre and toxiproxy's jitter around it stay within them.
+LATENCY_MS = (50, 200)
+#: How far (s) a poller's and a worker's wall clocks are stepped, and for how long before they step back.
+CLOCK_STEP_S = 30
+CLOCK_HELD_S = 20.0
 
 
 @dataclass
@@ -61,24 +72,37 @@ class Cluster:
     started: int = 0
     hosts: Hosts | None = None  # each poller and worker in its own network namespace (link faults) or all on loopback
     host_of: dict[int, Host] = field(default_factory=dict)
+    proxies: Proxies | None = None  # each host's Redis and Kafka links through Toxiproxy (needs hosts)
+    clocks: clock.Clocks | None = None  # each poller and worker under libfaketime (clock steps)
+    clock_of: dict[int, Path] = field(default_factory=dict)
 
     def add_poller(self) -> subprocess.Popen:
-        host = self.hosts.add() if self.hosts else None
-        self.pollers.append(self._placed(self.procs.poller(wrap=host and host.wrap), host))
+        self.pollers.append(self._placed(lambda wrap: self.procs.poller(wrap=wrap)))
         return self.pollers[-1]
 
     def add_worker(self) -> subprocess.Popen:
         """A prefork worker with 2 pool children, under a name not used before in the run."""
         self.started += 1
-        host = self.hosts.add() if self.hosts else None
-        self.workers.append(self._placed(self.procs.worker(f"w{self.started}", "-c", "2", wrap=host and host.wrap),
-                                         host))
+        self.workers.append(self._placed(lambda wrap: self.procs.worker(f"w{self.started}", "-c", "2", wrap=wrap)))
         return self.workers[-1]
 
-    def _placed(self, proc: subprocess.Popen, host: Host | None) -> subprocess.Popen:
+    def _placed(self, start: Callable[[list[str] | None], subprocess.Popen]) -> subprocess.Popen:
+        """A process started by ``start(command prefix)``: in a host of its own (its links through the
+        proxies) and under a clock of its own, as far as the run has them."""
+        host = self.hosts.add() if self.hosts else None
+        if host is not None and self.proxies is not None:
+            self.proxies.route(host)
+        offset = self.clocks.wrap() if self.clocks else None
+        proc = start([*(host.wrap if host else []), *(offset[0] if offset else [])] or None)
         if host is not None:
             self.host_of[proc.pid] = host
+        if offset is not None:
+            self.clock_of[proc.pid] = offset[1]
         return proc
+
+    def live(self) -> list[subprocess.Popen]:
+        """The pollers and workers running now."""
+        return [p for p in self.pollers + self.workers if p.poll() is None]
 
     def leading_poller(self) -> subprocess.Popen:
         """A poller that leads some partition now (by etcd), picked at random."""
@@ -397,7 +421,7 @@ def partition_poller_redis(cluster: Cluster) -> str:
 def partition_worker_redis(cluster: Cluster) -> str:
     """A worker loses Redis (the store, Celery's broker and result backend) while it runs tasks, for :data:`CUT_S`."""
     victim = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
-    ports = sorted({*_store_ports(cluster.settings), int(os.environ.get("CD_REDIS_PORT", "6379"))})
+    ports = redis_ports(cluster.settings)
     _cut(_host(cluster, victim), ports, CUT_S)
     return f"worker {victim.pid} cut from Redis (ports {ports}) for {CUT_S:.0f} s"
 
@@ -426,6 +450,86 @@ def lossy_kafka(cluster: Cluster) -> str:
     return f"{LOSS:.0%} packet loss between Kafka and poller {poller.pid}, worker {worker.pid} for {LOSSY_S:.0f} s"
 
 
+def _proxies(cluster: Cluster) -> Proxies:
+    if cluster.proxies is None:
+        raise RuntimeError("proxy faults need the run's links through Toxiproxy (network namespaces)")
+    return cluster.proxies
+
+
+def redis_ports(settings: Settings) -> list[int]:
+    """Ports of every Redis the pollers and workers use: the store's (each cluster node) and Celery's broker."""
+    return sorted({*_store_ports(settings), int(os.environ.get("CD_REDIS_PORT", "6379"))})
+
+
+def _toxic_for(cluster: Cluster, procs: list[subprocess.Popen], ports: list[int], seconds: float, kind: str,
+               **attributes: object) -> None:
+    """Toxic ``kind`` on the replies from ``ports`` to ``procs`` for ``seconds``."""
+    with _proxies(cluster).toxic([_host(cluster, p) for p in procs], ports, kind, **attributes):
+        time.sleep(seconds)
+
+
+def _slow(cluster: Cluster, ports: list[int], what: str) -> str:
+    """Every reply from ``ports`` to every poller and worker :data:`LATENCY_MS` late for :data:`SLOW_S`: a
+    seeded centre, toxiproxy's jitter around it (drawn per chunk, toxiproxy seeded by the run) within the bounds."""
+    low, high = LATENCY_MS
+    centre = cluster.rng.randint(low + 25, high - 25)
+    jitter = min(centre - low, high - centre)
+    procs = cluster.live()
+    _toxic_for(cluster, procs, ports, SLOW_S, "latency", latency=centre, jitter=jitter)
+    return (f"{what} answered {centre} ± {jitter} ms late to {len(procs)} pollers and workers for {SLOW_S:.0f} s "
+            f"(toxiproxy latency)")
+
+
+def slow_redis(cluster: Cluster) -> str:
+    return _slow(cluster, redis_ports(cluster.settings), "Redis")
+
+
+def kafka_ports(settings: Settings) -> list[int]:
+    return _ports(settings.kafka_servers)
+
+
+def slow_kafka(cluster: Cluster) -> str:
+    return _slow(cluster, kafka_ports(cluster.settings), "Kafka")
+
+
+def silent_redis(cluster: Cluster) -> str:
+    """Redis accepts every poller's and worker's connections and requests but answers none, for
+    :data:`SILENT_S` (toxiproxy ``timeout`` 0: the replies are held back, the connections left open)."""
+    procs = cluster.live()
+    _toxic_for(cluster, procs, redis_ports(cluster.settings), SILENT_S, "timeout", timeout=0)
+    return f"Redis silent to {len(procs)} pollers and workers for {SILENT_S:.0f} s (toxiproxy timeout)"
+
+
+def lost_reply(cluster: Cluster) -> str:
+    """A leading poller and a worker lose every Redis reply for :data:`LOST_REPLY_S`: the command ran, then
+    its connection was reset before the reply came back (toxiproxy ``reset_peer`` downstream)."""
+    poller = cluster.leading_poller()
+    worker = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    _toxic_for(cluster, [poller, worker], redis_ports(cluster.settings), LOST_REPLY_S, "reset_peer", timeout=0)
+    return (f"Redis replies to poller {poller.pid} (leading {_partitions_of(cluster, poller.pid)}) and worker "
+            f"{worker.pid} reset after the command ran, for {LOST_REPLY_S:.0f} s (toxiproxy reset_peer)")
+
+
+def clock_step(cluster: Cluster) -> str:
+    """The wall clocks of a leading poller and of a worker stepped by ±:data:`CLOCK_STEP_S` (each its own
+    seeded sign), monotonic clocks untouched; stepped back after :data:`CLOCK_HELD_S`."""
+    if cluster.clocks is None:
+        raise RuntimeError("clock steps need the run's processes under libfaketime")
+    poller = cluster.leading_poller()
+    worker = cluster.rng.choice([w for w in cluster.workers if w.poll() is None])
+    steps = {proc.pid: cluster.rng.choice((CLOCK_STEP_S, -CLOCK_STEP_S)) for proc in (poller, worker)}
+    try:
+        for pid, seconds in steps.items():
+            clock.step(cluster.clock_of[pid], seconds)
+        time.sleep(CLOCK_HELD_S)
+    finally:
+        for pid in steps:
+            clock.step(cluster.clock_of[pid], 0)
+    return (f"wall clock of poller {poller.pid} (leading {_partitions_of(cluster, poller.pid)}) stepped "
+            f"{steps[poller.pid]:+d} s, of worker {worker.pid} {steps[worker.pid]:+d} s, for {CLOCK_HELD_S:.0f} s "
+            "(libfaketime, monotonic clock real), then back")
+
+
 FAULTS: dict[str, Callable[[Cluster], str]] = {
     "poller-kill": poller_kill, "poller-pause": poller_pause, "poller-starve": poller_starve,
     "worker-kill": worker_kill, "child-kill": child_kill, "redis-kill9": redis_kill9,
@@ -435,11 +539,16 @@ FAULTS: dict[str, Callable[[Cluster], str]] = {
     "stalled-deploy": stalled_deploy,
     "partition-poller-etcd": partition_poller_etcd, "partition-poller-redis": partition_poller_redis,
     "partition-worker-redis": partition_worker_redis, "partition-worker-kafka": partition_worker_kafka,
-    "lossy-kafka": lossy_kafka,
+    "lossy-kafka": lossy_kafka, "slow-redis": slow_redis, "slow-kafka": slow_kafka, "silent-redis": silent_redis,
+    "lost-reply": lost_reply, "clock-step": clock_step,
 }
 #: Faults of one host's links, which need the run's processes in network namespaces (:mod:`.network`).
 LINKS = ["partition-poller-etcd", "partition-poller-redis", "partition-worker-redis", "partition-worker-kafka",
-         "lossy-kafka"]
+         "lossy-kafka", "slow-redis", "slow-kafka", "silent-redis", "lost-reply"]
+#: Link faults that need each host's links through Toxiproxy (:mod:`.proxies`).
+PROXIED = ["slow-redis", "slow-kafka", "silent-redis", "lost-reply"]
+#: Faults that need the run's processes under libfaketime (:mod:`.clock`).
+CLOCKED = ["clock-step"]
 #: Faults that need the store on the Redis Cluster (``--store cluster``).
 CLUSTER_ONLY = ["redis-failover"]
 #: The quick profile's default: one of each cheap fault, Redis restarted cleanly (nothing may be lost).

@@ -114,9 +114,11 @@ def revoke_and_reschedule(app: Celery, tasks: list[Planned]) -> dict[str, int]:
     revoked = [t.task_id for t in tasks if t.role == "revoke"]
     for i in range(0, len(revoked), REVOKE_CHUNK):
         app.control.revoke(revoked[i:i + REVOKE_CHUNK])
-    store = store_of(app)
-    moved = [store.reschedule(t.task_id, t.new_due_ms) for t in tasks if t.role == "reschedule"]
-    return {"revoked": len(revoked), "rescheduled": len(moved)}
+    moves = [(t.task_id, t.new_due_ms) for t in tasks if t.role == "reschedule"]
+    changes = store_of(app).reschedule_many(moves)  # one pipeline: done before the first of them is due
+    for task_id, change in changes.items():
+        change.check(task_id, "rescheduled")
+    return {"revoked": len(revoked), "rescheduled": len(changes)}
 
 
 class LiveSender:

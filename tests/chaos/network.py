@@ -6,7 +6,8 @@ outside it is delivered to 127.0.0.1 again, with 127.0.0.1 as its source (so Red
 mode and the servers' loopback binds stay as they are, and Kafka's advertised 127.0.0.1 works).
 The servers stay where scripts/services started them; what crosses the veth pair is one host's
 links, which :meth:`Host.cut` drops silently (a partition: packets vanish both ways, as on a
-network, not refused) or :meth:`Host.lose` drops at random, per server port.
+network, not refused) or :meth:`Host.lose` drops at random, per server port, and
+:meth:`Host.redirect` sends through a fault proxy (:mod:`.proxies`).
 
 This kernel has no ``sch_netem`` (``tc qdisc add ... netem`` says "Specified qdisc kind is
 unknown"), so delay and jitter cannot be added; loss is iptables' ``statistic`` match.  Every
@@ -57,6 +58,12 @@ class Host:
     def lose(self, ports: list[int], probability: float) -> None:
         """Drop each packet between this host and the servers on ``ports`` with ``probability``, both ways."""
         self._drop(ports, ["-m", "statistic", "--mode", "random", "--probability", f"{probability:.3f}"])
+
+    def redirect(self, port: int, to_port: int) -> None:
+        """Send this host's connections to 127.0.0.1:``port`` to 127.0.0.1:``to_port`` instead (a proxy
+        of :mod:`.proxies`); its link faults still match ``port``, as their rules act before NAT."""
+        _run("iptables", "-t", "nat", "-I", "PREROUTING", "1", "-i", self.outer, "-p", "tcp", "--dport", str(port),
+             "-m", "comment", "--comment", self.tag, "-j", "DNAT", "--to-destination", f"127.0.0.1:{to_port}")
 
     def heal(self) -> None:
         """Remove the faults in force: the links work again (connections that survived carry on)."""

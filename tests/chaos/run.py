@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.common import high_watermark, make_consumer, new_overrides, topic_partitions, versions
 from celery_delayed import store_of
 from celery_delayed.envelope import Envelope, EnvelopeError
-from celery_delayed.kafka import consumer_lag, ensure_topics
+from celery_delayed.kafka import client_config, consumer_lag, ensure_topics, outcome
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.store.dlq import DeadLetters
 from celery_delayed.store.outcomes import STORE_ERRORS
@@ -28,8 +29,9 @@ from tasks import create_app
 from tasks.chaos import ledger as ledger_of
 from tests.integration.support import ETCD3_ENDPOINTS, ROOT, SERVICES_DIR, Processes
 
-from . import check, faults, ledger, load, network, report
+from . import check, clock, faults, ledger, load, network, report
 from .network import Hosts
+from .proxies import Proxies
 
 RESULTS = ROOT / "tests" / "chaos" / "results"
 #: Stop waiting for the load when no task finished for this long (s) after the last fault and due time:
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in run_info["versions"].items()))
     hosts = _hosts(names, console)
     run_info["network"] = "a network namespace per poller and worker" if hosts else "loopback"
+    if any(n in faults.CLOCKED for n in names) and (why := clock.available()):
+        raise SystemExit(f"clock-step cannot run here: {why}")
+    clock.share_wall_clock()
     started = time.monotonic()
     chaos = Run(app, overrides, profile, args.tasks or profile.tasks, names, seed, folder, console, hosts)
     result = chaos.execute()
@@ -182,6 +187,11 @@ class Run:
         self.topic = self.settings.topic(app.conf.task_default_queue)
         self.cluster = faults.Cluster(self.settings, Processes(folder / "logs", overrides), SERVICES_DIR,
                                       rng=random.Random(seed + 1), hosts=hosts)
+        if hosts is not None and any(n in faults.PROXIED for n in names):
+            self.cluster.proxies = Proxies(folder / "logs", faults.redis_ports(self.settings)
+                                           + faults.kafka_ports(self.settings), seed + 3)
+        if any(n in faults.CLOCKED for n in names):
+            self.cluster.clocks = clock.Clocks(folder / "logs")
         self.plan = faults.schedule(self.rng, names, profile.times, profile.faults_from_s, profile.faults_until_s)
         self.injected: list[faults.Injected] = []
         self.live = load.LiveSender(app, str(folder / "ledger.db"), random.Random(seed + 2))
@@ -203,6 +213,8 @@ class Run:
             self.cluster.procs.stop_all()
             if self.cluster.hosts is not None:
                 self.cluster.hosts.close()
+            if self.cluster.proxies is not None:
+                self.cluster.proxies.close()
         deliveries, state["on_kafka"] = self._deliveries()
         tasks = tasks + self.live.sent
         verdict = check.analyse(tasks, ledger.runs(db), *ledger.effects(db), deliveries, self.injected, **state)
@@ -220,6 +232,7 @@ class Run:
     def _prepare(self, progress: Progress) -> tuple[list[load.Planned], Any]:
         """Start 2 pollers and 2 workers, plan and store the load, revoke and reschedule some of it."""
         ensure_topics(self.settings, [self.app.conf.task_default_queue])
+        _broker_timestamps(self.settings, self.topic)
         for _ in range(2):
             self.cluster.add_poller()
             self.cluster.add_worker()
@@ -321,7 +334,7 @@ class Run:
         return {"dead_letters": held, "leftovers": left, "lag": lag, "in_store": _scheduled_ids(store)}
 
     def _deliveries(self) -> tuple[list[tuple[str, int, int]], set[str]]:
-        """Every record on the run's topic, ``(task id, retries header, CreateTime ms)``, and the ids of
+        """Every record on the run's topic, ``(task id, retries header, LogAppendTime ms)``, and the ids of
         those past the workers' committed offsets (on Kafka, not yet settled by a worker)."""
         consumer = make_consumer(self.settings)
         probe = Consumer(self.settings.kafka(**{"group.id": self.settings.consumer_group,
@@ -345,6 +358,17 @@ class Run:
         finally:
             probe.close()
             consumer.close()
+
+
+def _broker_timestamps(settings: Any, topic: str) -> None:
+    """Records on ``topic`` stamped by the broker's clock (LogAppendTime), not the producing poller's, which
+    a clock-step fault moves: dispatch is timed by the clock of the machine."""
+    admin = AdminClient(client_config(settings))
+    entry = ConfigEntry("message.timestamp.type", "LogAppendTime", incremental_operation=AlterConfigOpType.SET)
+    futures = admin.incremental_alter_configs([ConfigResource(ResourceType.TOPIC, topic,
+                                                              incremental_configs=[entry])])
+    for future in futures.values():
+        outcome(future, 30)
 
 
 def _scheduled_ids(store: Any) -> set[str]:

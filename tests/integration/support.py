@@ -277,15 +277,18 @@ class Toxiproxy:
     """A toxiproxy-server (``scripts/services toxiproxy``) of this test session on a free loopback
     port, driven through its HTTP API: proxies whose traffic a test spoils with a toxic."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, seed: int | None = None) -> None:
+        """``seed``: of the toxics' random draws (a latency's jitter), else toxiproxy's own."""
         binary = SERVICES_DIR / "bin" / "toxiproxy-server"
         if not binary.exists():
             pytest.fail(f"{binary} is missing: install it with scripts/services toxiproxy")
         port = free_port()
         self.api = f"http://127.0.0.1:{port}"
         self.listen: dict[str, str] = {}  # proxy name -> its address, host:port
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen([str(binary), "-host", "127.0.0.1", "-port", str(port)],
+        seeded = [] if seed is None else ["-seed", str(seed)]
+        with open(log, "ab") as out:  # LOG_LEVEL info: not a line per connection
+            self.process = subprocess.Popen([str(binary), "-host", "127.0.0.1", "-port", str(port), *seeded],
+                                            env={**os.environ, "LOG_LEVEL": "info"},
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(self._answers, 10, f"toxiproxy-server on port {port} (log: {log})")
 
@@ -310,15 +313,23 @@ class Toxiproxy:
         return self.listen[name]
 
     @contextlib.contextmanager
-    def replies_lost(self, name: str) -> Iterator[None]:
-        """While inside: every reply that comes back through proxy ``name`` resets its connection
-        (toxic ``reset_peer`` downstream), so a request reaches the server and its reply is lost."""
-        self._call("POST", f"/proxies/{name}/toxics", {"name": "lost", "type": "reset_peer", "stream": "downstream",
-                                                       "attributes": {"timeout": 0}})
+    def toxic(self, names: list[str], kind: str, stream: str = "downstream", **attributes: Any) -> Iterator[None]:
+        """While inside: toxic ``kind`` (with ``attributes``) on the ``stream`` of each proxy in ``names``."""
+        added = []
         try:
+            for name in names:
+                self._call("POST", f"/proxies/{name}/toxics", {"name": kind, "type": kind, "stream": stream,
+                                                               "attributes": attributes})
+                added.append(name)
             yield
         finally:
-            self._call("DELETE", f"/proxies/{name}/toxics/lost")
+            for name in added:
+                self._call("DELETE", f"/proxies/{name}/toxics/{kind}")
+
+    def replies_lost(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """While inside: every reply that comes back through proxy ``name`` resets its connection
+        (toxic ``reset_peer`` downstream), so a request reaches the server and its reply is lost."""
+        return self.toxic([name], "reset_peer", timeout=0)
 
     def close(self) -> None:
         self.process.kill()

@@ -1,6 +1,7 @@
 """The chaos suite's test hosts (:mod:`tests.chaos.network`): a process in a network namespace reaches the
-servers on 127.0.0.1 as any other does, a cut link drops its packets both ways until healed, and closing
-the hosts leaves no namespace, link or rule behind."""
+servers on 127.0.0.1 as any other does, a cut link drops its packets both ways until healed, a link through
+its proxies (:mod:`tests.chaos.proxies`) is spoilt alone, and closing the hosts leaves no namespace, link or
+rule behind."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ from celery_delayed import store_of
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 from tests.chaos.network import Hosts, available
+from tests.chaos.proxies import Proxies
 
 from .support import wait_for
 
@@ -59,6 +61,29 @@ def test_a_host_reaches_the_servers_a_cut_link_drops_and_heals_and_close_leaves_
     rules = "".join(subprocess.run(["iptables", "-t", t, "-S"], capture_output=True, text=True).stdout
                     for t in ("nat", "raw"))
     assert hosts.tag not in rules
+
+
+def test_a_host_routed_through_its_proxies_is_slowed_silenced_and_reset_alone(services, tmp_path):
+    """:mod:`tests.chaos.proxies`: a host's connections to a server port go through a proxy of its own, whose
+    toxics spoil its link only; a cut still drops its packets (the link rules act before the redirect)."""
+    port = int(services.redis_url.rsplit(":", 1)[1].split("/")[0])
+    hosts, proxies = Hosts(), Proxies(tmp_path, [port], seed=1)
+    try:
+        slowed, other = hosts.add(), hosts.add()
+        proxies.route(slowed)
+        assert ping_from(slowed, port) == "PONG"
+        with proxies.toxic([slowed], [port], "latency", latency=3000):
+            assert (ping_from(slowed, port), ping_from(other, port)) == ("TimeoutError", "PONG")
+        with proxies.toxic([slowed], [port], "timeout", timeout=0):
+            assert ping_from(slowed, port) == "TimeoutError"
+        with proxies.toxic([slowed], [port], "reset_peer", timeout=0):
+            assert ping_from(slowed, port) == "ConnectionError"
+        assert ping_from(slowed, port) == "PONG"
+        slowed.cut([port])
+        assert ping_from(slowed, port) == "TimeoutError"
+    finally:
+        proxies.close()
+        hosts.close()
 
 
 @pytest.mark.parametrize("store_redis", ["cluster"], indirect=True)

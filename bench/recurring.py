@@ -509,8 +509,8 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
              "same occurrence twice (celery-delayed: one task id, which a worker runs once).  Bytes per schedule: "
              "INFO used_memory delta / N on the benchmark's own Redis (beat: its shelve file / N).  Set up: "
              "celery-delayed, Schedules.upsert of the N schedules (with "
-             f"{opts.upserters} processes); beat and RedBeat, from start until the scheduler has its schedule "
-             "(RedBeat: and has sent every new entry once, as it does).", "",
+             f"{opts.upserters} processes); beat and RedBeat, from start until the scheduler has set its schedule "
+             "up.", "",
              *(f"- {r['system']} {r['n']:,}: a poller exited by itself (started again): {crash}"
                for r in results for crash in r.get("poller_crashes", ())), "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in found.items())]

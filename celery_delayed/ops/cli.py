@@ -126,14 +126,19 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     if as_json:
         click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
         return
-    table = Table("partition", "scheduled", "inflight", "overdue", "oldest overdue", "next due")
+    columns = ("scheduled", "inflight", "overdue", "failing")
+    table = Table("partition", *columns, "oldest overdue", "next due")
     for row in counts:
-        table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]), str(row["overdue"]),
-                      _overdue_age(row["oldest_overdue_s"]), _due_in(row["upcoming_due_ms"], now_ms))
+        table.add_row(str(row["partition"]), *(str(row[k]) for k in columns), _overdue_age(row["oldest_overdue_s"]),
+                      _due_in(row["upcoming_due_ms"], now_ms))
     every = totals(counts)
-    table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
-                  _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
+    table.add_row("all", *(str(every[k]) for k in columns), _overdue_age(every["oldest_overdue_s"]),
+                  _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
+    if every["failing"]:
+        click.echo(f"{every['failing']} task(s) failing: their delivery to Kafka failed and has not gone through "
+                   "since (each tried again shortly; the oldest overdue counts them from the due time they failed "
+                   "at); the poller's log says why")
     for line in _fleet_lines(store.settings):
         click.echo(line)  # not wrapped: a line to grep
     if paused:

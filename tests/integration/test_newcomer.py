@@ -3,6 +3,7 @@
 the settings at a loopback port where nothing listens: the shared servers are never touched."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -13,6 +14,7 @@ from celery_delayed.poller import loop
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.inspection import totals
 
 from .support import envelopes, wait_for
 from .test_cli import celery
@@ -42,6 +44,10 @@ def test_a_wrong_kafka_address_is_named_in_the_log_status_and_the_stop_summary(o
     wait_for(lambda: named in processes.log(poller), 60, "the poller's warning naming the Kafka address")
     status = celery(overrides, "delayed", "status")
     assert f"Kafka at {wrong} (delayed_kafka_servers) cannot be reached (" in status.stdout, status.stderr
+    # its task is failing, not hidden by the nacks that keep it due again a second on (issue 45, row 3)
+    assert "1 task(s) failing: their delivery to Kafka failed" in status.stdout, status.stdout
+    every = totals(json.loads(celery(overrides, "delayed", "status", "--json").stdout))
+    assert every["failing"] == 1 and every["oldest_overdue_s"] > 0, every
     processes.warm_stop(poller)
     log = processes.log(poller)
     assert "|FAIL|rdkafka#" not in log  # librdkafka's raw lines: through logging now

@@ -33,7 +33,7 @@ from celery_delayed import store_of
 from celery_delayed.client.schedules import beat_entries
 from celery_delayed.inert import inert
 from celery_delayed.kafka import address as kafka_address
-from celery_delayed.kafka import fleet, fleet_warnings, grow_topic
+from celery_delayed.kafka import Fleet, fleet, fleet_report, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
 from celery_delayed.poller.leadership import etcd_address, leaders, live_pollers, make_etcd
@@ -112,8 +112,8 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
 
 @delayed.command(cls=CeleryCommand)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per partition; with "
-              "--tasks, {partitions, tasks}).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: {partitions (one object each), "
+              "fleet (pollers, leaderless, etcd_error, kafka)}, and tasks with --tasks.")
 @click.option("--tasks", "by_task", is_flag=True, help="Also per task name: how many, next due, whether this app "
               "registers it (reads the whole schedule).")
 @click.pass_context
@@ -123,8 +123,10 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     store = _load(ctx)[1]
     counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
     names = _task_names(ctx) if by_task else None
+    the_fleet = _fleet(store.settings)
     if as_json:
-        click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
+        tasks = {} if names is None else {"tasks": names}
+        click.echo(json.dumps({"partitions": counts, "fleet": the_fleet, **tasks}))
         return
     columns = ("scheduled", "inflight", "overdue", "failing")
     table = Table("partition", *columns, "oldest overdue", "next due")
@@ -139,7 +141,7 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
         click.echo(f"{every['failing']} task(s) failing: their delivery to Kafka failed and has not gone through "
                    "since (each tried again shortly; the oldest overdue counts them from the due time they failed "
                    "at); the poller's log says why")
-    for line in _fleet_lines(store.settings):
+    for line in _fleet_lines(the_fleet):
         click.echo(line)  # not wrapped: a line to grep
     if paused:
         console.print(_cell("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): "
@@ -149,25 +151,43 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
         console.print(_task_table(names, now_ms))
 
 
-def _fleet_lines(settings: Settings) -> Iterator[str]:
-    """What ``status`` says beyond the store: the pollers alive and the partitions each leads, those no
-    poller leads, whether Kafka answers, the queues no worker reads."""
+def _fleet(settings: Settings) -> dict:
+    """What ``status`` says beyond the store (its JSON's ``fleet``): ``pollers``, those alive, each with
+    the ``partitions`` it leads, and ``leaderless``, the partitions none leads (both None, and
+    ``etcd_error`` says why, when etcd cannot be reached); ``kafka``: its ``address``, its ``topics`` and
+    ``idle_workers`` as ``delayed topics --json`` gives them (None when it cannot be reached), and its
+    ``warnings`` (unreachable, queues no worker reads; none when all is well)."""
+    out: dict = {"pollers": None, "leaderless": None, "etcd_error": None}
     try:
         etcd = make_etcd(settings)
         alive, led = live_pollers(etcd, Keys(settings.key_prefix)), leaders(settings, etcd)
     except Exception as exc:  # pyetcd raises its own kinds
-        yield (f"{etcd_address(settings)} cannot be reached ({exc}): pollers and leaders unknown; no poller "
-               "dispatches while it is away")
+        out["etcd_error"] = f"{etcd_address(settings)} cannot be reached ({exc})"
     else:
-        for poller in alive:
-            parts = [p for p, leader in led.items() if leader["poller"] == poller]
-            yield f"poller {poller} alive, leads partitions {_ranges(parts) or 'none'}"
-        if not alive:
+        out["pollers"] = [{"poller": poller, "partitions": [p for p, held in led.items() if held["poller"] == poller]}
+                          for poller in alive]
+        out["leaderless"] = [p for p in range(settings.partitions) if p not in led]
+    state, warnings = fleet_report(settings)
+    out["kafka"] = {"address": kafka_address(settings), **(_topics_json(state) if state else
+                                                         {"topics": None, "idle_workers": None}),
+                    "warnings": warnings}
+    return out
+
+
+def _fleet_lines(fleet: dict) -> Iterator[str]:
+    """:func:`_fleet` as ``status`` prints it: the pollers alive and the partitions each leads, those no
+    poller leads, whether Kafka answers, the queues no worker reads."""
+    if fleet["etcd_error"]:
+        yield f"{fleet['etcd_error']}: pollers and leaders unknown; no poller dispatches while it is away"
+    else:
+        for poller in fleet["pollers"]:
+            yield f"poller {poller['poller']} alive, leads partitions {_ranges(poller['partitions']) or 'none'}"
+        if not fleet["pollers"]:
             yield "no poller alive: nothing is dispatched; start one with `celery -A proj delayed poller`"
-        elif leaderless := [p for p in range(settings.partitions) if p not in led]:
-            yield f"partitions without a leader (not dispatched until one takes them): {_ranges(leaderless)}"
-    yield from fleet_warnings(settings) or [f"{kafka_address(settings)} answers; a worker reads every queue's "
-                                             "topic that holds tasks"]
+        elif fleet["leaderless"]:
+            yield f"partitions without a leader (not dispatched until one takes them): {_ranges(fleet['leaderless'])}"
+    kafka = fleet["kafka"]
+    yield from kafka["warnings"] or [f"{kafka['address']} answers; a worker reads every queue's topic that holds tasks"]
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -212,7 +232,7 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
         err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
     state = fleet(settings)
     if as_json:
-        click.echo(json.dumps({"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}))
+        click.echo(json.dumps(_topics_json(state)))
         return
     table = Table("queue", "topic", "partitions", "workers reading", "lag")
     for topic in state.topics:
@@ -223,6 +243,12 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
         err_console.print(f"[yellow]{state.idle} worker(s) of group {settings.consumer_group} read no partition: "
                           "their queues have more consumers than partitions. Grow a topic with "
                           "`celery -A proj delayed topics --grow QUEUE --partitions N`.")
+
+
+def _topics_json(state: Fleet) -> dict:
+    """``delayed topics --json``: each queue's topic, how many partitions it has and workers read it,
+    its lag; the workers that read nothing."""
+    return {"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}
 
 
 def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> str:

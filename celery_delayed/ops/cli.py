@@ -15,7 +15,7 @@ import textwrap
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import click
 import prometheus_client
@@ -227,7 +227,7 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
     settings = _load(ctx, check=False)[0]
     if (queue is None) != (partitions is None):
         raise click.UsageError("--grow QUEUE and --partitions N go together")
-    if queue is not None:
+    if queue is not None and partitions is not None:
         grow_topic(settings, queue, partitions)
         err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
     state = fleet(settings)
@@ -253,10 +253,10 @@ def _topics_json(state: Fleet) -> dict:
 
 def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> str:
     """The task id given, or the one scheduled under replace-by-key ``key``."""
-    if (task_id is None) == (key is None):
-        raise click.UsageError("give a TASK_ID or --key KEY")
-    if key is None:
+    if task_id is not None and key is None:
         return task_id
+    if task_id is not None or key is None:
+        raise click.UsageError("give a TASK_ID or --key KEY")
     holder = store.key_holder(key)
     if holder is None:
         raise click.ClickException(f"no task is scheduled under key {key!r}")
@@ -311,17 +311,17 @@ def _bulk_filter(store: DelayedStore, fields: dict) -> Filter | None:
     return None if flt.is_empty() else flt
 
 
-def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
-          act: Callable[[browse.Progress], dict]) -> dict | None:
-    """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count.
-    Returns what ``act`` counted (None when it did not act)."""
+def _bulk(store: DelayedStore, flt: Filter, verb: str, yes: bool, act: Callable[[browse.Progress], dict] | None
+          ) -> dict | None:
+    """Count first, say how many, ask (unless --yes), then ``act``, with progress; without one (--dry-run),
+    stop after the count.  Returns what ``act`` counted (None when it did not act)."""
     with _progress("counting") as progress:
         matched = browse.count(store, flt, progress)
     what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
-    if dry_run or not matched:
+    if act is None or not matched:
         click.echo(f"{matched} scheduled tasks " + (f"match {what}" if what else "in all")
-                   + ("; nothing changed" if dry_run else ""))
-        return
+                   + ("; nothing changed" if act is None else ""))
+        return None
     if not yes:
         click.confirm(f"This will {verb} {matched} scheduled tasks" + (f" ({what})" if what else "") + ". Go on?",
                       abort=True)
@@ -359,7 +359,8 @@ def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bo
     if flt is not None:
         if task_id or key:
             raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
-        return _bulk(store, flt, "cancel", dry_run, yes, lambda progress: browse.cancel(app, flt, progress))
+        _bulk(store, flt, "cancel", yes, None if dry_run else lambda progress: browse.cancel(app, flt, progress))
+        return
     task_id = _task_id_of(store, task_id, key)
     if key is not None:
         store.release_key(key, task_id)
@@ -393,8 +394,9 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     if flt is not None:
         if task_id or key:
             raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
-        return _bulk(store, flt, "reschedule", dry_run, yes, lambda progress: browse.reschedule(
+        _bulk(store, flt, "reschedule", yes, None if dry_run else lambda progress: browse.reschedule(
             store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
+        return
     task_id = _task_id_of(store, task_id, key)
     due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(inert(f"{task_id} now due {iso_of(due_ms)}"))
@@ -466,8 +468,8 @@ def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: boo
         if returned:
             click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
         try:
-            counted = _bulk(store, flt, "send to the broker", dry_run, yes,
-                            lambda progress: drain.to_broker(app, connection, flt, progress))
+            counted = _bulk(store, flt, "send to the broker", yes, None if connection is None
+                            else lambda progress: drain.to_broker(app, connection, flt, progress))
         except OperationalError as exc:
             raise click.ClickException(f"Celery's broker {broker} stopped answering ({exc}): run drain again once "
                                        "it answers (what was sent is out of the store, the rest still in it)") from None
@@ -676,8 +678,8 @@ def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
         click.echo(json.dumps([{k: row[k] for k in LIST_FIELDS} for row in rows]))
         return
     title, now = f"{len(rows)} of {letters.count()} dead letters", time.time()
-    cells = [[inert(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]), row["attempts"],
-                               _age(now - row["timestamp"]))] for row in rows]
+    cells = [[inert(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
+                                      row["attempts"], _age(now - row["timestamp"]))] for row in rows]
     if not console.is_terminal:  # a pipe: a line per letter, its whole id to copy into `dlq requeue`
         click.echo("\n".join([title, *("  ".join(line) for line in cells)]))
         return

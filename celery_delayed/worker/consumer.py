@@ -68,7 +68,7 @@ CLOSE_TIMEOUT = 5.0
 IDLE_WARNING = 15.0
 
 #: Feeds whose thread still runs, closed for good on ``worker_shutdown``.
-_feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
+_feeds: weakref.WeakSet[KafkaFeed] = weakref.WeakSet()
 
 
 @signals.worker_shutdown.connect

@@ -275,15 +275,21 @@ def fleet(settings: Settings, timeout: float = 5.0) -> Fleet:
                   for name, partitions in sorted(names.items())], idle)
 
 
-def fleet_warnings(settings: Settings, timeout: float = 5.0) -> list[str]:
-    """What an operator must hear of Kafka: that it cannot be reached, or each queue no worker reads
-    (``delayed status``, the web view); empty when all is well."""
+def fleet_report(settings: Settings, timeout: float = 5.0) -> tuple[Fleet | None, list[str]]:
+    """The :func:`fleet` (None when Kafka cannot be reached), and what an operator must hear of
+    Kafka: that it cannot be reached, or each queue no worker reads; no warning when all is well."""
     try:
         state = fleet(settings, timeout)
     except (KafkaException, ValueError) as exc:  # ValueError: no broker known
         reason = exc.args[0].str() if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError) else exc
-        return [f"{address(settings)} cannot be reached ({reason}): due tasks stay in the store until it answers"]
-    return [unread_warning(settings, topic) for topic in state.unread]
+        return None, [f"{address(settings)} cannot be reached ({reason}): due tasks stay in the store until it "
+                      "answers"]
+    return state, [unread_warning(settings, topic) for topic in state.unread]
+
+
+def fleet_warnings(settings: Settings, timeout: float = 5.0) -> list[str]:
+    """:func:`fleet_report`'s warnings (the web view)."""
+    return fleet_report(settings, timeout)[1]
 
 
 def grow_topic(settings: Settings, queue: str, partitions: int, timeout: float = 30.0) -> None:

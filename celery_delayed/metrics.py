@@ -137,13 +137,17 @@ class StoreCollector(Collector):
                                      labels=["partition"])
         overdue = GaugeMetricFamily("celery_delayed_overdue", "Tasks past their due time still in the store",
                                     labels=["partition"])
-        overdue_age = GaugeMetricFamily("celery_delayed_oldest_overdue_seconds",
-                                        "How long the oldest task past its due time has waited", labels=["partition"])
+        failing = GaugeMetricFamily("celery_delayed_failing", "Tasks whose delivery to Kafka failed, not delivered "
+                                    "since (each tried again shortly)", labels=["partition"])
+        overdue_age = GaugeMetricFamily("celery_delayed_oldest_overdue_seconds", "How long the oldest task past "
+                                        "its due time (a failing one: the due time it failed at) has waited",
+                                        labels=["partition"])
         for row in store.counts():  # one read of the store, by Redis' clock
             p = str(row["partition"])
             scheduled.add_metric([p], row["scheduled"])
             inflight.add_metric([p], row["inflight"])
             overdue.add_metric([p], row["overdue"])
+            failing.add_metric([p], row["failing"])
             overdue_age.add_metric([p], row["oldest_overdue_s"] or 0.0)
         queue_overdue = GaugeMetricFamily("celery_delayed_queue_overdue", "Tasks of a queue past their due time "
                                           "still in the store (held back, when it is paused)", labels=["queue"])
@@ -155,7 +159,7 @@ class StoreCollector(Collector):
         dead_age = GaugeMetricFamily("celery_delayed_oldest_dead_letter_seconds",
                                      "How long ago the oldest message in the dead-letter queue was parked")
         dead_age.add_metric([], letters.oldest_age() or 0.0)
-        yield from (scheduled, inflight, overdue, overdue_age, queue_overdue, dead, dead_age)
+        yield from (scheduled, inflight, overdue, failing, overdue_age, queue_overdue, dead, dead_age)
 
     def _lag(self) -> Iterator[GaugeMetricFamily]:
         from celery_delayed.kafka import fleet

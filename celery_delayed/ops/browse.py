@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
 
 from celery_delayed.store.inspection import Page, cursor_after, parse_cursor
 from celery_delayed.store.layout import due_ms_of, member_of

@@ -15,7 +15,7 @@ import textwrap
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import click
 import prometheus_client
@@ -33,7 +33,7 @@ from celery_delayed import store_of
 from celery_delayed.client.schedules import beat_entries
 from celery_delayed.inert import inert
 from celery_delayed.kafka import address as kafka_address
-from celery_delayed.kafka import fleet, fleet_warnings, grow_topic
+from celery_delayed.kafka import Fleet, fleet, fleet_report, grow_topic
 from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
 from celery_delayed.poller.leadership import etcd_address, leaders, live_pollers, make_etcd
@@ -112,8 +112,8 @@ def poller(ctx: click.Context, loglevel: str, metrics_port: int | None) -> None:
 
 
 @delayed.command(cls=CeleryCommand)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one object per partition; with "
-              "--tasks, {partitions, tasks}).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: {partitions (one object each), "
+              "fleet (pollers, leaderless, etcd_error, kafka)}, and tasks with --tasks.")
 @click.option("--tasks", "by_task", is_flag=True, help="Also per task name: how many, next due, whether this app "
               "registers it (reads the whole schedule).")
 @click.pass_context
@@ -123,18 +123,25 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
     store = _load(ctx)[1]
     counts, now_ms, paused = store.counts(), store.now_ms(), store.paused()
     names = _task_names(ctx) if by_task else None
+    the_fleet = _fleet(store.settings)
     if as_json:
-        click.echo(json.dumps(counts if names is None else {"partitions": counts, "tasks": names}))
+        tasks = {} if names is None else {"tasks": names}
+        click.echo(json.dumps({"partitions": counts, "fleet": the_fleet, **tasks}))
         return
-    table = Table("partition", "scheduled", "inflight", "overdue", "oldest overdue", "next due")
+    columns = ("scheduled", "inflight", "overdue", "failing")
+    table = Table("partition", *columns, "oldest overdue", "next due")
     for row in counts:
-        table.add_row(str(row["partition"]), str(row["scheduled"]), str(row["inflight"]), str(row["overdue"]),
-                      _overdue_age(row["oldest_overdue_s"]), _due_in(row["upcoming_due_ms"], now_ms))
+        table.add_row(str(row["partition"]), *(str(row[k]) for k in columns), _overdue_age(row["oldest_overdue_s"]),
+                      _due_in(row["upcoming_due_ms"], now_ms))
     every = totals(counts)
-    table.add_row("all", *(str(every[k]) for k in ("scheduled", "inflight", "overdue")),
-                  _overdue_age(every["oldest_overdue_s"]), _due_in(every["upcoming_due_ms"], now_ms), style="bold")
+    table.add_row("all", *(str(every[k]) for k in columns), _overdue_age(every["oldest_overdue_s"]),
+                  _due_in(every["upcoming_due_ms"], now_ms), style="bold")
     console.print(table)
-    for line in _fleet_lines(store.settings):
+    if every["failing"]:
+        click.echo(f"{every['failing']} task(s) failing: their delivery to Kafka failed and has not gone through "
+                   "since (each tried again shortly; the oldest overdue counts them from the due time they failed "
+                   "at); the poller's log says why")
+    for line in _fleet_lines(the_fleet):
         click.echo(line)  # not wrapped: a line to grep
     if paused:
         console.print(_cell("paused queues (their tasks stay in the store; `delayed queues`, `delayed resume`): "
@@ -144,25 +151,43 @@ def status(ctx: click.Context, as_json: bool, by_task: bool) -> None:
         console.print(_task_table(names, now_ms))
 
 
-def _fleet_lines(settings: Settings) -> Iterator[str]:
-    """What ``status`` says beyond the store: the pollers alive and the partitions each leads, those no
-    poller leads, whether Kafka answers, the queues no worker reads."""
+def _fleet(settings: Settings) -> dict:
+    """What ``status`` says beyond the store (its JSON's ``fleet``): ``pollers``, those alive, each with
+    the ``partitions`` it leads, and ``leaderless``, the partitions none leads (both None, and
+    ``etcd_error`` says why, when etcd cannot be reached); ``kafka``: its ``address``, its ``topics`` and
+    ``idle_workers`` as ``delayed topics --json`` gives them (None when it cannot be reached), and its
+    ``warnings`` (unreachable, queues no worker reads; none when all is well)."""
+    out: dict = {"pollers": None, "leaderless": None, "etcd_error": None}
     try:
         etcd = make_etcd(settings)
         alive, led = live_pollers(etcd, Keys(settings.key_prefix)), leaders(settings, etcd)
     except Exception as exc:  # pyetcd raises its own kinds
-        yield (f"{etcd_address(settings)} cannot be reached ({exc}): pollers and leaders unknown; no poller "
-               "dispatches while it is away")
+        out["etcd_error"] = f"{etcd_address(settings)} cannot be reached ({exc})"
     else:
-        for poller in alive:
-            parts = [p for p, leader in led.items() if leader["poller"] == poller]
-            yield f"poller {poller} alive, leads partitions {_ranges(parts) or 'none'}"
-        if not alive:
+        out["pollers"] = [{"poller": poller, "partitions": [p for p, held in led.items() if held["poller"] == poller]}
+                          for poller in alive]
+        out["leaderless"] = [p for p in range(settings.partitions) if p not in led]
+    state, warnings = fleet_report(settings)
+    out["kafka"] = {"address": kafka_address(settings), **(_topics_json(state) if state else
+                                                         {"topics": None, "idle_workers": None}),
+                    "warnings": warnings}
+    return out
+
+
+def _fleet_lines(fleet: dict) -> Iterator[str]:
+    """:func:`_fleet` as ``status`` prints it: the pollers alive and the partitions each leads, those no
+    poller leads, whether Kafka answers, the queues no worker reads."""
+    if fleet["etcd_error"]:
+        yield f"{fleet['etcd_error']}: pollers and leaders unknown; no poller dispatches while it is away"
+    else:
+        for poller in fleet["pollers"]:
+            yield f"poller {poller['poller']} alive, leads partitions {_ranges(poller['partitions']) or 'none'}"
+        if not fleet["pollers"]:
             yield "no poller alive: nothing is dispatched; start one with `celery -A proj delayed poller`"
-        elif leaderless := [p for p in range(settings.partitions) if p not in led]:
-            yield f"partitions without a leader (not dispatched until one takes them): {_ranges(leaderless)}"
-    yield from fleet_warnings(settings) or [f"{kafka_address(settings)} answers; a worker reads every queue's "
-                                             "topic that holds tasks"]
+        elif fleet["leaderless"]:
+            yield f"partitions without a leader (not dispatched until one takes them): {_ranges(fleet['leaderless'])}"
+    kafka = fleet["kafka"]
+    yield from kafka["warnings"] or [f"{kafka['address']} answers; a worker reads every queue's topic that holds tasks"]
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -202,12 +227,12 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
     settings = _load(ctx, check=False)[0]
     if (queue is None) != (partitions is None):
         raise click.UsageError("--grow QUEUE and --partitions N go together")
-    if queue is not None:
+    if queue is not None and partitions is not None:
         grow_topic(settings, queue, partitions)
         err_console.print(f"{settings.topic(queue)} has {partitions} partitions now")
     state = fleet(settings)
     if as_json:
-        click.echo(json.dumps({"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}))
+        click.echo(json.dumps(_topics_json(state)))
         return
     table = Table("queue", "topic", "partitions", "workers reading", "lag")
     for topic in state.topics:
@@ -220,12 +245,18 @@ def topics(ctx: click.Context, as_json: bool, queue: str | None, partitions: int
                           "`celery -A proj delayed topics --grow QUEUE --partitions N`.")
 
 
+def _topics_json(state: Fleet) -> dict:
+    """``delayed topics --json``: each queue's topic, how many partitions it has and workers read it,
+    its lag; the workers that read nothing."""
+    return {"topics": [dataclasses.asdict(t) for t in state.topics], "idle_workers": state.idle}
+
+
 def _task_id_of(store: DelayedStore, task_id: str | None, key: str | None) -> str:
     """The task id given, or the one scheduled under replace-by-key ``key``."""
-    if (task_id is None) == (key is None):
-        raise click.UsageError("give a TASK_ID or --key KEY")
-    if key is None:
+    if task_id is not None and key is None:
         return task_id
+    if task_id is not None or key is None:
+        raise click.UsageError("give a TASK_ID or --key KEY")
     holder = store.key_holder(key)
     if holder is None:
         raise click.ClickException(f"no task is scheduled under key {key!r}")
@@ -280,17 +311,17 @@ def _bulk_filter(store: DelayedStore, fields: dict) -> Filter | None:
     return None if flt.is_empty() else flt
 
 
-def _bulk(store: DelayedStore, flt: Filter, verb: str, dry_run: bool, yes: bool,
-          act: Callable[[browse.Progress], dict]) -> dict | None:
-    """Count first, say how many, ask (unless --yes), then act, with progress; --dry-run stops after the count.
-    Returns what ``act`` counted (None when it did not act)."""
+def _bulk(store: DelayedStore, flt: Filter, verb: str, yes: bool, act: Callable[[browse.Progress], dict] | None
+          ) -> dict | None:
+    """Count first, say how many, ask (unless --yes), then ``act``, with progress; without one (--dry-run),
+    stop after the count.  Returns what ``act`` counted (None when it did not act)."""
     with _progress("counting") as progress:
         matched = browse.count(store, flt, progress)
     what = ", ".join(f"{k}={v}" for k, v in flt.as_dict().items())
-    if dry_run or not matched:
+    if act is None or not matched:
         click.echo(f"{matched} scheduled tasks " + (f"match {what}" if what else "in all")
-                   + ("; nothing changed" if dry_run else ""))
-        return
+                   + ("; nothing changed" if act is None else ""))
+        return None
     if not yes:
         click.confirm(f"This will {verb} {matched} scheduled tasks" + (f" ({what})" if what else "") + ". Go on?",
                       abort=True)
@@ -328,7 +359,8 @@ def cancel(ctx: click.Context, task_id: str | None, key: str | None, dry_run: bo
     if flt is not None:
         if task_id or key:
             raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
-        return _bulk(store, flt, "cancel", dry_run, yes, lambda progress: browse.cancel(app, flt, progress))
+        _bulk(store, flt, "cancel", yes, None if dry_run else lambda progress: browse.cancel(app, flt, progress))
+        return
     task_id = _task_id_of(store, task_id, key)
     if key is not None:
         store.release_key(key, task_id)
@@ -362,8 +394,9 @@ def reschedule(ctx: click.Context, task_id: str | None, key: str | None, eta: st
     if flt is not None:
         if task_id or key:
             raise click.UsageError("give a TASK_ID, --key, or filter options, not several")
-        return _bulk(store, flt, "reschedule", dry_run, yes, lambda progress: browse.reschedule(
+        _bulk(store, flt, "reschedule", yes, None if dry_run else lambda progress: browse.reschedule(
             store, flt, shift_ms=shift_ms, to_ms=to_ms, progress=progress))
+        return
     task_id = _task_id_of(store, task_id, key)
     due_ms = browse.move(store, task_id, to_ms=to_ms, shift_ms=shift_ms)
     click.echo(inert(f"{task_id} now due {iso_of(due_ms)}"))
@@ -435,8 +468,8 @@ def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: boo
         if returned:
             click.echo(f"{returned} tasks whose poller died while dispatching them are scheduled again")
         try:
-            counted = _bulk(store, flt, "send to the broker", dry_run, yes,
-                            lambda progress: drain.to_broker(app, connection, flt, progress))
+            counted = _bulk(store, flt, "send to the broker", yes, None if connection is None
+                            else lambda progress: drain.to_broker(app, connection, flt, progress))
         except OperationalError as exc:
             raise click.ClickException(f"Celery's broker {broker} stopped answering ({exc}): run drain again once "
                                        "it answers (what was sent is out of the store, the rest still in it)") from None
@@ -645,8 +678,8 @@ def list_(ctx: click.Context, as_json: bool, limit: int) -> None:
         click.echo(json.dumps([{k: row[k] for k in LIST_FIELDS} for row in rows]))
         return
     title, now = f"{len(rows)} of {letters.count()} dead letters", time.time()
-    cells = [[inert(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]), row["attempts"],
-                               _age(now - row["timestamp"]))] for row in rows]
+    cells = [[inert(str(v)) for v in (row["task_id"], row["task"], row["source"], _shorten(row["reason"]),
+                                      row["attempts"], _age(now - row["timestamp"]))] for row in rows]
     if not console.is_terminal:  # a pipe: a line per letter, its whole id to copy into `dlq requeue`
         click.echo("\n".join([title, *("  ".join(line) for line in cells)]))
         return

@@ -85,8 +85,8 @@ class Delivery:
             return 0
         if topic not in self._topics:
             if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
-                self._settle(self.store.nack, partition, [(task_id, stamp)],  # Kafka unreachable: due again soon
-                             then=lambda _: self.stats.add("delivery_failed"))
+                nack = functools.partial(self.store.nack, failed={task_id: due_ms})  # Kafka unreachable: due again soon
+                self._settle(nack, partition, [(task_id, stamp)], then=lambda _: self.stats.add("delivery_failed"))
                 return 0
         return int(self._send(partition, task_id, stamp, due_ms, topic, data, headers))
 
@@ -230,12 +230,15 @@ class Delivery:
         now_ms = time.time() * 1000 + self.clock_offset_ms
         delivered: dict[int, list[tuple[str, int]]] = defaultdict(list)
         failed: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        failed_due: dict[int, dict[str, int]] = defaultdict(dict)  # the due times they failed at
         fatal = None
         errors: dict[str, list[str]] = defaultdict(list)  # one log line per error, not one per task
         lags: list[float] = []
         for partition, task_id, stamp, due_ms, err in reports:
             if err:
                 failed[partition].append((task_id, stamp))
+                if due_ms is not None:
+                    failed_due[partition][task_id] = due_ms
                 errors[str(err)].append(task_id)
                 if classify(err) is Verdict.FATAL:
                     fatal = err
@@ -250,7 +253,7 @@ class Delivery:
         for partition, ids in delivered.items():
             self._settle(self.store.ack, partition, ids, then=lambda acked, n=len(ids): self._acked(n, acked))
         for partition, ids in failed.items():
-            self._settle(self.store.nack, partition, ids,
+            self._settle(functools.partial(self.store.nack, failed=failed_due[partition]), partition, ids,
                          then=lambda _, p=partition, n=len(ids): self._nacked(p, n))
         return fatal
 

@@ -166,7 +166,7 @@ class DelayedStore(Inspection):
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
-                    self.scripts["schedule"](keys=[*self.keys.core(p), self.keys.attempts(p)],
+                    self.scripts["schedule"](keys=[*self.keys.core(p), self.keys.attempts(p), self.keys.failing(p)],
                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
                                              client=pipe)
@@ -208,7 +208,7 @@ class DelayedStore(Inspection):
             pipe = self.redis.pipeline(transaction=False)
             for task_id in ids:
                 p = self.partition(task_id)
-                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request)]
+                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request), self.keys.failing(p)]
                 self.scripts["cancel"](keys=keys, client=pipe,
                                        args=[self.keys.bucket_prefix(p), member_of(task_id), CANCEL_KEPT_MS])
             return self.execute(pipe)
@@ -269,7 +269,7 @@ class DelayedStore(Inspection):
         pipe = self.redis.pipeline(transaction=False)
         for task_id, due_ms in moves.items():
             p = self.partition(task_id)
-            self.scripts["reschedule"](keys=self.keys.core(p), client=pipe,
+            self.scripts["reschedule"](keys=[*self.keys.core(p), self.keys.failing(p)], client=pipe,
                                        args=[self.keys.wake, self.keys.bucket_prefix(p), BUCKET_SECONDS,
                                              member_of(task_id), _in_range(due_ms)])
         return {task_id: Change(reply) for task_id, reply in zip(moves, self.execute(pipe))}
@@ -356,14 +356,21 @@ class DelayedStore(Inspection):
         Only a copy still in flight under that claim is forgotten; a newer copy
         scheduled meanwhile, or a later claim, stays.
         """
-        keys = [self.keys.inflight(partition), self.keys.msgs(partition), self.keys.attempts(partition)]
+        keys = [self.keys.inflight(partition), self.keys.msgs(partition), self.keys.attempts(partition),
+                self.keys.failing(partition)]
         return sum(self._call("ack", keys, _pairs(chunk)) for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
-    def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000) -> int:
-        """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, their delivery having
-        failed, due again after ``delay_ms``; as for :meth:`ack`, only copies of that claim."""
-        return sum(self._call("nack", self.keys.core(partition),
-                              [self.keys.bucket_prefix(partition), BUCKET_SECONDS, delay_ms, *_pairs(chunk)])
+    def nack(self, partition: int, claimed: list[tuple[str, int]], delay_ms: int = 1000,
+             failed: dict[str, int] | None = None) -> int:
+        """Return claimed tasks (``(task_id, claim stamp)`` pairs) to due, due again after ``delay_ms``;
+        as for :meth:`ack`, only copies of that claim.  ``failed`` gives the due time (ms) of those
+        whose delivery failed: each counts as failing from the first of them until it is delivered
+        (:meth:`counts`), where a nack alone would hide it by moving its due time on."""
+        failed = failed or {}
+        return sum(self._call("nack", [*self.keys.core(partition), self.keys.failing(partition)],
+                              [self.keys.bucket_prefix(partition), BUCKET_SECONDS, delay_ms,
+                               *(value for task_id, stamp in chunk
+                                 for value in (member_of(task_id), stamp, failed.get(task_id, "")))])
                    for chunk in _chunks(claimed, SCRIPT_PAIRS))
 
     # -- pausing queues --------------------------------------------------------

@@ -203,15 +203,18 @@ class Inspection:
 
     def counts(self) -> list[dict]:
         """Per partition: ``scheduled``, ``inflight``, ``overdue`` (due by Redis' clock, still waiting),
-        ``next_due_ms`` (its earliest task, overdue or not), ``oldest_overdue_s`` (how long that
-        one is past due, None when nothing is overdue) and ``upcoming_due_ms`` (the earliest
-        task not yet due)."""
+        ``failing`` (their delivery to Kafka failed, and none has gone through since: a nack made
+        them due again shortly, so ``overdue`` does not count them), ``next_due_ms`` (its earliest
+        task, overdue or not), ``oldest_overdue_s`` (how long the latest of them is past due, a
+        failing one by the due time it first failed at; None when none is overdue or failing) and
+        ``upcoming_due_ms`` (the earliest task not yet due)."""
         now_ms, replies = self._counts()
         rows = []
-        for p, (scheduled, inflight, overdue, next_due, upcoming, *_) in enumerate(replies):
+        for p, (scheduled, inflight, overdue, next_due, upcoming, failing, failed_due, *_) in enumerate(replies):
+            late = [due for due, counted in ((next_due, overdue), (failed_due, failing)) if counted]
             rows.append({"partition": p, "scheduled": scheduled, "inflight": inflight, "overdue": overdue,
-                         "next_due_ms": next_due if next_due >= 0 else None,
-                         "oldest_overdue_s": (now_ms - next_due) / 1000 if overdue else None,
+                         "failing": failing, "next_due_ms": next_due if next_due >= 0 else None,
+                         "oldest_overdue_s": (now_ms - min(late)) / 1000 if late else None,
                          "upcoming_due_ms": upcoming if upcoming >= 0 else None})
         return rows
 
@@ -231,7 +234,7 @@ class Inspection:
         for queue in [*paused, *rates]:
             row(queue)
         for reply in self._counts()[1]:
-            for i in range(5, len(reply), 3):
+            for i in range(7, len(reply), 3):
                 lane = row(reply[i].decode())
                 lane["overdue"] += reply[i + 1]
                 lane["next_due_ms"] = min(filter(None, (lane["next_due_ms"], reply[i + 2])))
@@ -258,7 +261,7 @@ class Inspection:
         now_ms = self.now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            self.scripts["counts"](keys=self.keys.core(p), args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
+            self.scripts["counts"](keys=[*self.keys.core(p), self.keys.failing(p)], args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
                                    client=pipe)
         return now_ms, self.execute(pipe)
 
@@ -275,7 +278,7 @@ def totals(rows: list[dict]) -> dict:
     the earliest upcoming due time."""
     ages = [r["oldest_overdue_s"] for r in rows if r["oldest_overdue_s"] is not None]
     upcoming = [r["upcoming_due_ms"] for r in rows if r["upcoming_due_ms"] is not None]
-    return {**{k: sum(r[k] for r in rows) for k in ("scheduled", "inflight", "overdue")},
+    return {**{k: sum(r[k] for r in rows) for k in ("scheduled", "inflight", "overdue", "failing")},
             "oldest_overdue_s": max(ages, default=None), "upcoming_due_ms": min(upcoming, default=None)}
 
 

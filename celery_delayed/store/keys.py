@@ -21,6 +21,8 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{p}:msg", "HASH", "id -> 4-byte bucket start + lane (NUL, length, queue) + envelope"),
     ("<prefix>:{p}:inflight", "ZSET", "id -> visibility deadline ms of a claimed task, also its claim's stamp"),
     ("<prefix>:{p}:attempt", "HASH", "id -> attempt number of the stored copy (retries only)"),
+    ("<prefix>:{p}:failing", "ZSET",
+     "id -> due ms of a task whose delivery to Kafka failed, until it is delivered or leaves the store"),
     ("<prefix>:{p}:fence", "STRING", "highest fencing token that has claimed the partition"),
     ("<prefix>:{p}:stamp", "STRING", "the last claim's stamp (stamps only grow)"),
     ("<prefix>:{p}:claim", "STRING",
@@ -95,6 +97,9 @@ class Keys:
 
     def attempts(self, partition: int) -> str:
         return self.of(partition, "attempt")
+
+    def failing(self, partition: int) -> str:
+        return self.of(partition, "failing")
 
     def fence(self, partition: int) -> str:
         return self.of(partition, "fence")

@@ -14,6 +14,7 @@ settled prefix of each partition is committed (see :mod:`.offsets`).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -67,7 +68,7 @@ CLOSE_TIMEOUT = 5.0
 IDLE_WARNING = 15.0
 
 #: Feeds whose thread still runs, closed for good on ``worker_shutdown``.
-_feeds: "weakref.WeakSet[KafkaFeed]" = weakref.WeakSet()
+_feeds: weakref.WeakSet[KafkaFeed] = weakref.WeakSet()
 
 
 @signals.worker_shutdown.connect
@@ -105,6 +106,20 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
             self.feed = None
 
     shutdown = stop
+
+
+@signals.celeryd_init.connect
+def _refuse_bad_settings(instance: Any, **_: Any) -> None:
+    """A worker of an app with celery-delayed installed checks its ``delayed_*`` settings before
+    Celery prints its banner or starts a pool: a misspelt or bad one stops it with one line, exit 1.
+    (Logging is not set up yet: the line goes to stderr.)"""
+    if KafkaConsumerStep not in instance.app.steps["consumer"]:
+        return
+    try:
+        Settings.from_app(instance.app)
+    except ConfigurationError as exc:
+        print(f"celery-delayed cannot start this worker: {inert.inert(str(exc))}", file=sys.stderr)
+        raise SystemExit(EX_FAILURE) from None
 
 
 class KafkaFeed:

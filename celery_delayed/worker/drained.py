@@ -11,7 +11,8 @@ straight to Celery: one dict lookup more.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from kombu.message import Message
 

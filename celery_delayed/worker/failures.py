@@ -29,7 +29,7 @@ logger = inert.logger(__name__)
 
 #: Steps of Celery's tracer (celery.app.trace) that run only once a task's body returned or retried.
 AFTER_BODY = ("mark_as_done", "_dispatch_callbacks_and_chain", "handle_retry")
-_AFTER_BODY_FRAME = re.compile(r'^  File ".*", line \d+, in (?:%s)$' % "|".join(AFTER_BODY), re.MULTILINE)
+_AFTER_BODY_FRAME = re.compile(rf'^  File ".*", line \d+, in (?:{"|".join(AFTER_BODY)})$', re.MULTILINE)
 
 
 def park_failures(app: Celery) -> None:
@@ -37,7 +37,8 @@ def park_failures(app: Celery) -> None:
 
     def on_failure(sender: Task | None = None, task_id: str | None = None, exception: BaseException | None = None,
                    args: Any = None, kwargs: Any = None, einfo: Any = None, **_: Any) -> None:
-        if sender is None or sender.app is not app or not app.amqp.delayed_settings.dead_letter_failures:
+        if (sender is None or task_id is None or sender.app is not app
+                or not app.amqp.delayed_settings.dead_letter_failures):
             return
         if after_body(getattr(einfo, "traceback", None)):
             logger.warning("task %s failed after its body ran (%s: %s): not parked in the dead-letter queue, "

@@ -14,7 +14,8 @@ import reprlib
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from celery import signals, states
 from celery.exceptions import BackendError

@@ -41,13 +41,14 @@ class PartitionOffsets:
         until they settle (a truncation seeks to where the logs diverge, above a long-running task)."""
         while self._outstanding and self._outstanding[-1] >= offset:
             self._settled.discard(self._outstanding.pop())
-        self._last = min(self._last, offset - 1)  # an earlier rewind may have cut it lower
+        if self._last is not None:  # an earlier rewind may have cut it lower
+            self._last = min(self._last, offset - 1)
         if self._before is not None:
             self._before.cut(offset)
 
     def settle(self, offset: int) -> None:
-        if not self._outstanding or not self._outstanding[0] <= offset <= self._last:
-            return  # cut off by a rewind
+        if self._last is None or not self._outstanding or not self._outstanding[0] <= offset <= self._last:
+            return  # nothing read, or cut off by a rewind
         self._settled.add(offset)
         while self._outstanding and self._outstanding[0] in self._settled:
             done = self._outstanding.popleft()

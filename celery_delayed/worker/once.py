@@ -23,7 +23,8 @@ import time
 import weakref
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from celery import Celery, Task, signals, states
 from celery.backends.base import BaseKeyValueStoreBackend, DisabledBackend

@@ -7,6 +7,7 @@ the pool's timer (:class:`GreenWakeup`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -44,10 +45,8 @@ class Wakeup:
 
     def unwatch(self) -> None:
         """Stop watching the pipe (on the loop thread): later wake-ups do nothing."""
-        try:
+        with contextlib.suppress(Exception):  # the hub was reset meanwhile (a consumer restart): nothing to remove
             self.hub.remove_reader(self._read)
-        except Exception:  # the hub was reset meanwhile (a consumer restart): nothing to remove
-            pass
 
     def close(self) -> None:
         """Close the pipe, once no thread can wake it any more."""

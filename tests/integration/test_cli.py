@@ -65,7 +65,7 @@ def test_status_counts_scheduled_tasks(overrides):
     DelayedStore(settings).schedule_many(envelopes(7, "q", int(time.time() * 1000) + 60_000))
     done = celery(overrides, "delayed", "status", "--json")
     assert done.returncode == 0, done.stderr
-    rows = json.loads(done.stdout)
+    rows = json.loads(done.stdout)["partitions"]
     assert len(rows) == 4 and sum(r["scheduled"] for r in rows) == 7
 
 

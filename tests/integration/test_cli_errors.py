@@ -136,12 +136,16 @@ def test_a_poller_refuses_a_number_it_cannot_use_in_one_line(overrides, name, va
     assert one_line_error(done) == f"Error: delayed_{name} must be {says}"
 
 
-def test_a_worker_refuses_a_number_it_cannot_use_in_one_line(processes):
-    worker = processes.worker(env={"DELAYED_VISIBILITY_TIMEOUT": "inf"})
+@pytest.mark.parametrize("env, says", [
+    ({"DELAYED_VISIBILITY_TIMEOUT": "inf"}, "delayed_visibility_timeout must be between 1 and 316224000, got 'inf'"),
+    ({"DELAYED_KAFKA_SERVER": "127.0.0.1:9092"}, "unknown setting delayed_kafka_server: did you mean "
+     "delayed_kafka_servers? (delayed_allow_unknown_settings = True accepts it)"),
+])
+def test_a_worker_refuses_a_bad_or_misspelt_setting_in_one_line(processes, env, says):
+    """Before Celery's banner, its pool or any traceback: the worker's whole output is the one line."""
+    worker = processes.worker(env=env)
     assert worker.wait(timeout=120) == 1
-    log = processes.log(worker)
-    assert ("CRITICAL/MainProcess] celery-delayed cannot start this worker: delayed_visibility_timeout must be "
-            "between 1 and 316224000, got 'inf'") in log and "Traceback" not in log, log
+    assert processes.log(worker).splitlines() == [f"celery-delayed cannot start this worker: {says}"]
 
 
 @pytest.mark.parametrize("args", [["web", "--port", "{port}"], ["poller", "--metrics-port", "{port}"]])

@@ -3,6 +3,7 @@
 the settings at a loopback port where nothing listens: the shared servers are never touched."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -13,6 +14,7 @@ from celery_delayed.poller import loop
 from celery_delayed.poller.loop import Poller
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.inspection import totals
 
 from .support import envelopes, wait_for
 from .test_cli import celery
@@ -42,6 +44,10 @@ def test_a_wrong_kafka_address_is_named_in_the_log_status_and_the_stop_summary(o
     wait_for(lambda: named in processes.log(poller), 60, "the poller's warning naming the Kafka address")
     status = celery(overrides, "delayed", "status")
     assert f"Kafka at {wrong} (delayed_kafka_servers) cannot be reached (" in status.stdout, status.stderr
+    # its task is failing, not hidden by the nacks that keep it due again a second on (issue 45, row 3)
+    assert "1 task(s) failing: their delivery to Kafka failed" in status.stdout, status.stdout
+    every = totals(json.loads(celery(overrides, "delayed", "status", "--json").stdout)["partitions"])
+    assert every["failing"] == 1 and every["oldest_overdue_s"] > 0, every
     processes.warm_stop(poller)
     log = processes.log(poller)
     assert "|FAIL|rdkafka#" not in log  # librdkafka's raw lines: through logging now
@@ -56,6 +62,9 @@ def test_an_etcd_that_cannot_be_reached_is_named_once_and_in_status(overrides, p
     wait_for(lambda: named in processes.log(poller), 60, "the poller's warning naming the etcd address")
     status = celery(overrides, "delayed", "status")  # meanwhile the poller steps on, twice a second
     assert f"etcd at {wrong} (delayed_etcd_endpoints) cannot be reached (" in status.stdout, status.stderr
+    fleet = json.loads(celery(overrides, "delayed", "status", "--json").stdout)["fleet"]
+    assert fleet["etcd_error"].startswith(f"etcd at {wrong} (delayed_etcd_endpoints) cannot be reached (")
+    assert fleet["pollers"] is None and fleet["leaderless"] is None
     assert processes.log(poller).count(named) == 1
 
 
@@ -63,9 +72,17 @@ def test_status_shows_the_pollers_and_the_partitions_each_leads(overrides, proce
     processes.poller()
     wait_for(lambda: "leads partitions 0-3" in celery(overrides, "delayed", "status").stdout, 60,
              "status naming the poller leading every partition")
+    fleet = json.loads(celery(overrides, "delayed", "status", "--json").stdout)["fleet"]  # the same, for machines
+    assert [poller["partitions"] for poller in fleet["pollers"]] == [[0, 1, 2, 3]], fleet
+    assert fleet["leaderless"] == [] and fleet["etcd_error"] is None
+    kafka = fleet["kafka"]
+    assert kafka["address"] == f"Kafka at {Settings.from_conf(overrides).kafka_servers} (delayed_kafka_servers)"
+    assert kafka["warnings"] == [] and kafka["topics"] is not None and kafka["idle_workers"] >= 0
     processes.stop_all()
     done = celery(overrides, "delayed", "status")
     assert "no poller alive: nothing is dispatched; start one with `celery -A proj delayed poller`" in done.stdout
+    fleet = json.loads(celery(overrides, "delayed", "status", "--json").stdout)["fleet"]
+    assert fleet["pollers"] == [] and fleet["leaderless"] == [0, 1, 2, 3]
 
 
 def test_a_queue_no_worker_reads_is_named_by_the_poller_and_status(overrides, monkeypatch, caplog):
@@ -87,4 +104,5 @@ def test_a_queue_no_worker_reads_is_named_by_the_poller_and_status(overrides, mo
             runner.join(30)
     assert caplog.messages.count(warning) == 1  # once per change, not every look
     assert warning in celery(overrides, "delayed", "status").stdout.splitlines()
+    assert warning in json.loads(celery(overrides, "delayed", "status", "--json").stdout)["fleet"]["kafka"]["warnings"]
 

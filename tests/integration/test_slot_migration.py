@@ -23,6 +23,7 @@ import redis
 
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.layout import member_of
 from celery_delayed.store.outcomes import Change, StoreUnavailable
 from tasks.processes import free_port, wait_for
 
@@ -64,6 +65,7 @@ def store(cluster) -> DelayedStore:
     far = store.now_ms() + 9 * HOUR
     store.schedule("unqueued", far, b"not an envelope")  # lane "": the partition's own bucket index
     store.schedule_many(envelopes(1, "q", far + HOUR, prefix="retried"), attempt=1)  # the attempt HASH
+    store.redis.zadd(store.keys.failing(0), {member_of("retried-0"): far})  # the failing ZSET, as a nack leaves it
     store.schedule_many(envelopes(1, "q", store.now_ms() - 1000, prefix="flying"))
     assert [item[0] for item in store.claim(0, token=1, limit=10).items] == ["flying-0"]  # inflight
     return store

@@ -144,6 +144,33 @@ def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_
         assert store.cancel(task_id) is Change.DONE
 
 
+def test_a_task_whose_delivery_keeps_failing_counts_as_failing_from_its_first_due_until_it_leaves(overrides):
+    """A nack makes a failed task due again a second on, so ``overdue`` never holds it: it counts as
+    failing, by the due time it first failed at, until it is delivered, cancelled, moved or replaced."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    ids = ["delivered", "cancelled", "moved", "replaced", "lapsed"]
+    due = now_ms() - 60_000
+    store.schedule_many((task_id, due, data) for task_id, (_, _, data) in zip(ids, envelopes(5, "q", 0)))
+    for round_ in range(2):  # failing twice keeps the first due time
+        claim = store.claim(0, token=1, limit=10)
+        assert len(claim.items) == 5
+        failed = {task_id: due_ms + round_ for task_id, due_ms, _ in claim.items if task_id != "lapsed"}
+        assert store.nack(0, [(task_id, claim.stamp) for task_id, *_ in claim.items], delay_ms=0, failed=failed) == 5
+    row = store.counts()[0]
+    assert (row["failing"], row["overdue"]) == (4, 5)
+    assert 59 < row["oldest_overdue_s"] < 120
+    assert store.redis.zscore(store.keys.failing(0), member_of("moved")) == due  # the first failure's
+    claim = store.claim(0, token=1, limit=10)
+    assert store.ack(0, [("delivered", claim.stamp)]) == 1
+    store.nack(0, [(task_id, claim.stamp) for task_id, *_ in claim.items if task_id != "delivered"], delay_ms=0)
+    assert store.counts()[0]["failing"] == 3
+    assert store.cancel("cancelled") is Change.DONE
+    store.reschedule("moved", now_ms() + 60_000)
+    (_, _, retry), = envelopes(1, "q", 0)
+    assert store.schedule("replaced", now_ms(), retry, attempt=1) is Stored.REPLACED
+    assert store.counts()[0]["failing"] == 0 and not store.redis.exists(store.keys.failing(0))
+
+
 def test_a_retry_stored_between_a_claim_and_its_read_is_not_taken_for_the_claimed_copy(overrides, monkeypatch):
     """A claim moves its tasks to inflight, then reads their messages (``lua/claim.lua``).  A retry
     stored in between replaces one message and takes that task out of flight, due in a minute: it

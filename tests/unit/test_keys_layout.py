@@ -22,6 +22,7 @@ BUILT = {
     "<prefix>:{p}:msg": K.msgs("p"),
     "<prefix>:{p}:inflight": K.inflight("p"),
     "<prefix>:{p}:attempt": K.attempts("p"),
+    "<prefix>:{p}:failing": K.failing("p"),
     "<prefix>:{p}:fence": K.fence("p"),
     "<prefix>:{p}:stamp": K.stamp("p"),
     "<prefix>:{p}:claim": K.last_claim("p"),

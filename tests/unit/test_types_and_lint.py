@@ -19,8 +19,9 @@ CHECKED = [
     "store/__init__.py", "store/keys.py", "store/layout.py", "store/records.py", "store/revoke.py",
     "store/scripts.py",
     "poller/__init__.py", "poller/loop.py",
-    "worker/__init__.py",
-    "ops/__init__.py", "ops/drain.py", "ops/web/__init__.py",
+    "worker/__init__.py", "worker/drained.py", "worker/failures.py", "worker/offsets.py", "worker/once.py",
+    "worker/wakeup.py",
+    "ops/__init__.py", "ops/cli.py", "ops/drain.py", "ops/web/__init__.py", "ops/web/server.py",
 ]
 
 

@@ -21,7 +21,8 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import redis
 import tornado.web
@@ -129,7 +130,7 @@ class Base(Headers):
             raise Problem(401, "credentials required")
         self._check_host_and_origin()
         if not self.api:
-            self.xsrf_token  # sets the XSRF cookie on every page, so each page's forms can be posted
+            _ = self.xsrf_token  # reading it sets the XSRF cookie on every page, so each page's forms can be posted
 
     def check_xsrf_cookie(self) -> None:
         """Run first for a POST (before :meth:`prepare`). A bearer token is never attached by a browser

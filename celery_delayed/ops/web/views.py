@@ -12,7 +12,8 @@ import time
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -4,10 +4,12 @@
 -- claim) or a later claim of the id (after the visibility deadline sent it back
 -- to due) has another stamp, and stays.
 --
--- KEYS[1] inflight ZSET   KEYS[2] msg HASH   KEYS[3] attempt HASH (see schedule.lua)
+-- A delivered task is no longer failing (nack.lua).
+--
+-- KEYS[1] inflight ZSET   KEYS[2] msg HASH   KEYS[3] attempt HASH (see schedule.lua)   KEYS[4] failing ZSET
 -- ARGV pairs: task id, claim stamp (the deadline claim.lua gave it)
 -- Returns the number of tasks forgotten.
-local inflight, msgs, attempts = KEYS[1], KEYS[2], KEYS[3]
+local inflight, msgs, attempts, failing = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ids = {}
 for i = 1, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
 if #ids == 0 then return 0 end
@@ -20,4 +22,5 @@ if #done == 0 then return 0 end
 redis.call('ZREM', inflight, unpack(done))
 redis.call('HDEL', msgs, unpack(done))
 redis.call('HDEL', attempts, unpack(done))
+redis.call('ZREM', failing, unpack(done))
 return #done

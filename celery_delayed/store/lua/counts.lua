@@ -3,13 +3,16 @@
 -- the earliest due time, and the earliest due time still to come. Only buckets
 -- whose earliest task is overdue are looked into, one call each: a bucket that
 -- ended before now is overdue whole; only the one holding now is split.
+-- Also the tasks whose delivery failed and that are not delivered yet (nack.lua): a nack
+-- makes them due again shortly, so only their first failed due time shows how late they are.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
+-- KEYS[5] failing ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] now ms   ARGV[3] bucket width s
--- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1}, then per lane
--- holding tasks: lane, its overdue tasks, its earliest due ms.
+-- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1, failing,
+-- earliest failed due ms or -1}, then per lane holding tasks: lane, its overdue tasks, its earliest due ms.
 --- @include _buckets
-local index, msgs, inflight_key, lanes = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local index, msgs, inflight_key, lanes, failing = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local prefix, now, width = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local current = math.floor(now / 1000 / width) * width
 local inflight = redis.call('ZCARD', inflight_key)
@@ -38,6 +41,8 @@ for _, lane in ipairs(all_lanes(lanes)) do
     per_lane[#per_lane + 1] = head
   end
 end
-local out = {redis.call('HLEN', msgs) - inflight, inflight, overdue, earliest_due(lanes, index) or -1, upcoming or -1}
+local failed_first = redis.call('ZRANGE', failing, 0, 0, 'WITHSCORES')[2]
+local out = {redis.call('HLEN', msgs) - inflight, inflight, overdue, earliest_due(lanes, index) or -1, upcoming or -1,
+             redis.call('ZCARD', failing), failed_first and tonumber(failed_first) or -1}
 for _, value in ipairs(per_lane) do out[#out + 1] = value end
 return out

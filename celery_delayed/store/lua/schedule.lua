@@ -29,11 +29,12 @@
 -- KEYS[1] bucket index ZSET (bucket start s -> earliest due ms)   KEYS[2] msg HASH   KEYS[3] inflight ZSET
 -- KEYS[4] lanes ZSET (lane -> earliest due ms)
 -- KEYS[5] attempt HASH (id -> attempt number, for attempts after the first)
+-- KEYS[6] failing ZSET (nack.lua): a replaced copy's entry goes with it
 -- ARGV[1] wake channel   ARGV[2] bucket key prefix
 -- then quads: task_id, due_ms, attempt, bucket start (4 bytes) + lane + envelope (at most 256: unpack() has limits)
 -- Returns {added, replaced, kept}: new ids, ids whose stored copy was replaced, ids kept as stored.
 --- @include _buckets
-local index_key, msgs, inflight, lanes, attempts = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local index_key, msgs, inflight, lanes, attempts, failing = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local channel, prefix = ARGV[1], ARGV[2]
 local ids = {}
 for i = 3, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
@@ -137,5 +138,8 @@ for _, entry in ipairs(moved) do
   if lane_prefix .. bucket ~= new then remove(lane_prefix .. bucket, id) end
   refresh_bucket(lanes, lane_index, lane_prefix .. bucket, bucket, lane)
 end
+local replaced = {unpack(superseded)}  -- none of them is failing now (nack.lua)
+for _, entry in ipairs(moved) do replaced[#replaced + 1] = entry[1] end
+if #replaced > 0 then redis.call('ZREM', failing, unpack(replaced)) end
 if wake then redis.call('PUBLISH', channel, earliest) end
 return {#messages / 2 - #superseded - #moved, #superseded + #moved, kept}

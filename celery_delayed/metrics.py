@@ -30,7 +30,7 @@ _POLLER_COUNTERS = {
     "dropped": Counter("celery_delayed_dropped", "Claimed copies not sent: stale occurrences of recurring "
                        "schedules changed or removed since they were written"),
     "occurrences_fired": Counter("celery_delayed_occurrences_fired", "Occurrences of recurring schedules sent "
-                                 "to run (a copy dispatched again after a crash counts again)"),
+                                 "to run"),
     "occurrences_missed": Counter("celery_delayed_occurrences_missed", "Times of recurring schedules that "
                                   "never run: missed during an outage or a pause, by their misfire policy"),
     "occurrences_overlapped": Counter("celery_delayed_occurrences_overlapped", "Occurrences of recurring "

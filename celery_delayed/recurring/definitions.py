@@ -72,6 +72,14 @@ class Definition:
     def task_name(self) -> str:
         return Envelope.decode(self.template).task_name
 
+    def describe(self) -> dict[str, Any]:
+        """What an operator reads of it (``delayed schedules show``, ``--json``): plain data."""
+        rule = (f"{self.rule['cron']} ({self.rule['tz']})" if "cron" in self.rule
+                else f"every {self.rule['every_ms'] / 1000:g} s")
+        return {"schedule_id": self.schedule_id, "task": self.task_name, "rule": rule, "origin": self.origin,
+                "version": self.version, "paused": self.paused, "next_ms": self.pending_ms,
+                "next_id": self.pending_id, "options": self.options, "last_ms": self.last_ms}
+
     def encode(self) -> str:
         fields = {"rule": self.rule, "template": base64.b64encode(self.template).decode(), "origin": self.origin,
                   "version": self.version, "pending_ms": self.pending_ms}
@@ -90,8 +98,9 @@ class Definition:
 @dataclass(frozen=True)
 class Advance:
     """What :meth:`Definitions.advance` decided for a claimed copy: whether it goes to Kafka, and what
-    it counts (``fired``: an occurrence sent to run; ``missed``: the schedule's times that never run;
-    ``overlapped``: not run, the previous occurrence still running; ``stale``: dropped)."""
+    it counts, once per occurrence (by the copy that moved the chain on; a run-now one at each dispatch):
+    ``fired``, sent to run; ``missed``, the schedule's times that never run; ``overlapped``, not run,
+    the previous occurrence still running; ``stale``, dropped."""
 
     goes: bool
     fired: bool = False
@@ -128,10 +137,12 @@ class Definitions:
         """The definitions whose id starts with ``prefix``, a page at a time (``HSCAN``, partition by
         partition: never all at once): one page from ``cursor`` ('' first), and the cursor of the next
         ('' after the last).  A page holds about ``count``, in no order; one may be empty."""
-        partition, _, position = cursor.partition(":") if cursor else ("0", "", "0")
+        partition, _, position = (cursor or "0:0").partition(":")
+        if not (partition.isdigit() and position.isdigit()):
+            raise ValueError(f"not a cursor of a list of recurring schedules: {cursor!r}")
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
         found: list[Definition] = []
-        p, at = int(partition), int(position or 0)
+        p, at = int(partition), int(position)
         while p < self.store.settings.partitions and len(found) < count:
             at, held = self.store.redis.hscan(self.store.keys.recurring(p), at, match=pattern, count=count)
             found.extend(Definition.decode(schedule_id.decode(), data) for schedule_id, data in held.items())
@@ -231,11 +242,12 @@ class Definitions:
         The successor is the rule's next time after the occurrence's nominal time, or after a later
         instant that the schedule's misfire policy chooses when the occurrence is late
         (:meth:`.Options.misfire_of`); none past the schedule's end; and it is not written when the
-        chain already went past it (a copy dispatched again after a crash, while the chain caught up).  An occurrence that does not go is
-        acked unsent: a stale one (of another version than its definition's: the schedule changed,
-        paused or removed since it was written; it has no successor), a missed one, or one that would
-        overlap the previous run.  A run-now copy goes, out of the chain.  A store error is raised: the
-        copy then stays in flight, and is claimed again after the visibility timeout."""
+        chain already went past it (a copy dispatched again after a crash, while the chain caught up).
+        An occurrence that does not go is acked unsent: a stale one (of another version than its
+        definition's: the schedule changed, paused or removed since it was written; it has no
+        successor), a missed one, or one that would overlap the previous run.  A run-now copy goes, out
+        of the chain.  A store error is raised: the copy then stays in flight, and is claimed again
+        after the visibility timeout."""
         try:
             headers = Envelope.decode(message).headers
         except EnvelopeError:
@@ -252,7 +264,7 @@ class Definitions:
             return Advance(False, stale=True)
         nominal, options, rule = headers[NOMINAL_HEADER], Options.of(held.options), rule_from_data(held.rule)
         misfire = options.misfire_of(rule, schedule_id, nominal, now_ms, self.grace_ms)
-        overlapped = misfire.runs and not options.overlap and self._running(held)
+        overlapped = misfire.runs and not options.overlap and self._running(held, now_ms)
         runs = misfire.runs and not overlapped
         try:
             successor = replace(held, pending_ms=options.within(rule.next_after(misfire.after_ms)),
@@ -260,18 +272,25 @@ class Definitions:
         except ValueError as exc:  # a crontab with no time for years: this occurrence is its last
             logger.error("recurring schedule %s ends: %s", schedule_id, exc)
             successor = replace(held, pending_ms=None)
+        advanced = False  # whether this copy moved the chain on: counted once, not at each dispatch of it
         if successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms:
             self._write_pending(successor)  # else the chain went past it: a copy dispatched again after a crash
-            self._compare_and_set(schedule_id, held.version, successor, forward=True)
-        if misfire.missed or overlapped:
+            advanced = self._compare_and_set(schedule_id, held.version, successor, forward=True)
+        if advanced and (misfire.missed or overlapped):
             logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
                         schedule_id, nominal, "runs" if runs else "does not run", misfire.missed, successor.pending_ms)
-        return Advance(runs, fired=runs, missed=misfire.missed, overlapped=overlapped)
+        return Advance(runs, fired=runs and advanced, missed=misfire.missed if advanced else 0,
+                       overlapped=overlapped and advanced)
 
-    def _running(self, held: Definition) -> bool:
-        """Whether the last occurrence dispatched to run is running (a worker holds its run claim)."""
-        return held.last_ms is not None and bool(self.store.redis.exists(
-            self.store.keys.run(occurrence_id(held.schedule_id, held.last_ms))))
+    def _running(self, held: Definition, now_ms: int) -> bool:
+        """Whether the last occurrence dispatched to run may still be running: a worker holds its run
+        claim, or it did not finish (no finished record) and was due less than the grace ago (on its way
+        to a worker, or waiting for one)."""
+        if held.last_ms is None:
+            return False
+        task_id, redis = occurrence_id(held.schedule_id, held.last_ms), self.store.redis
+        return bool(redis.exists(self.store.keys.run(task_id))) or (
+            now_ms - held.last_ms < self.grace_ms and not redis.exists(self.store.keys.done(task_id)))
 
     def _past_pending(self, paused: Definition) -> Definition:
         """``paused`` pointed past its pending occurrence (which a poller was dispatching)."""

@@ -187,12 +187,16 @@ class Definitions:
 
     def pause(self, schedule_id: str) -> Definition | None:
         """Stop running a schedule until :meth:`resume`: its pending occurrence is cancelled (one in
-        flight is dropped as stale) and kept as the first time it misses.  None when there is none."""
+        flight is dropped as stale, or runs) and, when the cancel removed it, kept as the first time it
+        misses.  The definition points past it until then, so a pause interrupted in between skips it
+        rather than run it twice.  None when there is no such schedule."""
         while (held := self.get(schedule_id)) is not None and not held.paused:
-            paused = replace(held, version=held.version + 1, paused=True)
+            paused = replace(held, version=held.version + 1, paused=True,
+                             pending_ms=None if held.pending_ms is None else self._next(held, held.pending_ms))
             if self._compare_and_set(schedule_id, held.version, paused):
-                if held.pending_id is not None and self.store.cancel(held.pending_id) is not Change.DONE:
-                    paused = self._past_pending(paused)  # it may be running: not to run again at resume
+                if held.pending_id is not None and self.store.cancel(held.pending_id) is Change.DONE:
+                    kept = replace(paused, pending_ms=held.pending_ms)  # it never ran: the first missed
+                    paused = kept if self._compare_and_set(schedule_id, paused.version, kept) else paused
                 logger.info("recurring schedule %s paused", schedule_id)
                 return paused
         return held
@@ -266,12 +270,8 @@ class Definitions:
         misfire = options.misfire_of(rule, schedule_id, nominal, now_ms, self.grace_ms)
         overlapped = misfire.runs and not options.overlap and self._running(held, now_ms)
         runs = misfire.runs and not overlapped
-        try:
-            successor = replace(held, pending_ms=options.within(rule.next_after(misfire.after_ms)),
-                                last_ms=nominal if runs and not options.overlap else held.last_ms)
-        except ValueError as exc:  # a crontab with no time for years: this occurrence is its last
-            logger.error("recurring schedule %s ends: %s", schedule_id, exc)
-            successor = replace(held, pending_ms=None)
+        successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
+                            last_ms=nominal if runs and not options.overlap else held.last_ms)
         advanced = False  # whether this copy moved the chain on: counted once, not at each dispatch of it
         if successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms:
             self._write_pending(successor)  # else the chain went past it: a copy dispatched again after a crash
@@ -292,11 +292,14 @@ class Definitions:
         return bool(redis.exists(self.store.keys.run(task_id))) or (
             now_ms - held.last_ms < self.grace_ms and not redis.exists(self.store.keys.done(task_id)))
 
-    def _past_pending(self, paused: Definition) -> Definition:
-        """``paused`` pointed past its pending occurrence (which a poller was dispatching)."""
-        assert paused.pending_ms is not None
-        after = replace(paused, pending_ms=rule_from_data(paused.rule).next_after(paused.pending_ms))
-        return after if self._compare_and_set(paused.schedule_id, paused.version, after, forward=True) else paused
+    def _next(self, held: Definition, after_ms: int) -> int | None:
+        """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
+        for years (its chain ends)."""
+        try:
+            return Options.of(held.options).within(rule_from_data(held.rule).next_after(after_ms))
+        except ValueError as exc:
+            logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
+            return None
 
     def _cancel_replaced(self, held: Definition | None, new: Definition | None) -> None:
         """Cancel ``held``'s pending occurrence unless ``new`` has it (a copy in flight is dropped as stale)."""

@@ -2,9 +2,13 @@
 runs of a late occurrence (fixed clocks, no servers)."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 from celery.schedules import crontab
 
+from celery_delayed.recurring.definitions import Definition
 from celery_delayed.recurring.policy import Misfire, Options, count_between
 from celery_delayed.recurring.rules import Every, rule_of
 
@@ -84,3 +88,11 @@ def test_only_options_that_are_not_defaults_are_stored():
     options = Options(misfire="all", catch_up_ms=60_000, overlap=False)
     assert options.data() == {"misfire": "all", "catch_up_ms": 60_000, "overlap": False}
     assert Options.of(options.data()) == options
+
+
+def test_a_definition_stores_its_options_and_states_only_when_not_defaults():
+    """Redis bytes per schedule: a plain schedule stores no option, pause or last-run field."""
+    plain = Definition("s", {"every_ms": 1000, "anchor_ms": 0}, b"template", "api", 1, 5000)
+    assert set(json.loads(plain.encode())) == {"rule", "template", "origin", "version", "pending_ms"}
+    ended = replace(plain, pending_ms=None, options={"misfire": "once"}, paused=True, last_ms=4000)
+    assert Definition.decode("s", ended.encode().encode()) == ended and ended.pending_id is None

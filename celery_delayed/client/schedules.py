@@ -53,8 +53,8 @@ class Schedules:
 
         Options (:data:`OPTION_NAMES`, docs/recurring.md): ``start``, ``end`` (datetimes, naive ones in
         ``tz``, or seconds since the epoch), ``jitter`` (seconds or a timedelta: each occurrence is due
-        up to that late, by a delay derived from its time), ``misfire`` (``"skip"``, ``"once"``,
-        ``"all"``), ``catch_up`` (the window ``"all"`` runs missed times within), ``overlap`` (False:
+        up to that late, by a delay derived from its time), ``misfire`` (``"once"``, the default,
+        ``"skip"``, ``"all"``), ``catch_up`` (the window ``"all"`` runs missed times within), ``overlap`` (False:
         skip an occurrence while the previous one runs).  A bad value raises ``ValueError``."""
         zone = tz or zone_of(self.app)
         return self.definitions.put(schedule_id, template_of(self.app, signature), rule_of(schedule, zone),
@@ -95,11 +95,13 @@ def options_of(options: dict[str, Any], tz: str) -> Options:
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown schedule option(s) {', '.join(sorted(unknown))}; known: {', '.join(OPTION_NAMES)}")
+    if not isinstance(options.get("overlap", True), bool):
+        raise ValueError(f"overlap must be True or False, got {options['overlap']!r}")
     return Options(start_ms=_instant_ms(options.get("start"), tz), end_ms=_instant_ms(options.get("end"), tz),
                    jitter_ms=_duration_ms(options.get("jitter", 0), "jitter"),
-                   misfire=options.get("misfire", "skip"),
+                   misfire=options.get("misfire", "once"),
                    catch_up_ms=_duration_ms(options.get("catch_up", 0), "catch_up"),
-                   overlap=bool(options.get("overlap", True)))
+                   overlap=options.get("overlap", True))
 
 
 def _instant_ms(value: Any, tz: str) -> int | None:

@@ -6,8 +6,10 @@ plus its jitter): every poller down, or the schedule paused.  The grace (:func:`
 a poller's crash and failover delay an occurrence by, so an occurrence late only by that still runs.
 The misfire policy then says what runs:
 
-- ``skip`` (default): a missed occurrence does not run; the chain goes on at the next time after now;
-- ``once``: the late occurrence runs, once for all the missed times; the chain goes on after now;
+- ``once`` (default, as ``celery beat`` and the first release): the late occurrence runs, once for all
+  the missed times; the chain goes on at the next time after now.  So no occurrence is ever dropped
+  for being late: not even when a poller's replacement takes longer than the grace to come up;
+- ``skip``: a missed occurrence does not run; the chain goes on at the next time after now;
 - ``all``: each time within the ``catch_up`` window before now runs, one after the other (the chain
   goes on from the occurrence, or from the window's start); older times are missed.
 """
@@ -33,7 +35,7 @@ class Options:
     start_ms: int | None = None
     end_ms: int | None = None
     jitter_ms: int = 0
-    misfire: str = "skip"
+    misfire: str = "once"
     catch_up_ms: int = 0
     overlap: bool = True
 

@@ -63,7 +63,7 @@ def test_after_an_outage_of_every_poller_each_misfire_policy_runs_what_it_promis
     run = overrides["delayed_key_prefix"]
     app = create_app(**runtime(overrides))
     schedules = Schedules(app)
-    policies = {"skip": {}, "once": {"misfire": "once"}, "all": {"misfire": "all", "catch_up": CATCH_UP}}
+    policies = {"skip": {"misfire": "skip"}, "once": {}, "all": {"misfire": "all", "catch_up": CATCH_UP}}
     ticks = {policy: Ticks(store_of(app).settings, f"{run}-{policy}") for policy in policies}
     for policy, options in policies.items():
         schedules.upsert(policy, app.signature("tasks.demo.tick", args=(f"{run}-{policy}",)), PERIOD_MS / 1000,
@@ -244,15 +244,16 @@ def test_list_pages_through_the_schedules_of_a_prefix(overrides):
 
 def test_beat_schedule_entries_take_options_as_keys_or_in_options(overrides):
     app = create_app(**overrides, beat_schedule={
-        "keys": {"task": "tasks.demo.add", "schedule": 60, "args": (1, 2), "misfire": "once", "jitter": 2},
+        "keys": {"task": "tasks.demo.add", "schedule": 60, "args": (1, 2), "misfire": "skip", "jitter": 2},
         "in_options": {"task": "tasks.demo.add", "schedule": 60, "args": (1, 2),
                        "options": {"misfire": "all", "catch_up": 600, "queue": "q"}},
         "bad": {"task": "tasks.demo.add", "schedule": 60, "args": (1, 2), "misfire": "sometimes"},
+        "bad_overlap": {"task": "tasks.demo.add", "schedule": 60, "args": (1, 2), "overlap": "no"},
     })
     entries = beat_entries(app)
-    assert entries["beat:keys"][2] == Options(misfire="once", jitter_ms=2000)
+    assert entries["beat:keys"][2] == Options(misfire="skip", jitter_ms=2000)
     assert entries["beat:in_options"][2] == Options(misfire="all", catch_up_ms=600_000)
-    assert "beat:bad" not in entries
+    assert "beat:bad" not in entries and "beat:bad_overlap" not in entries
 
 
 def test_the_schedules_commands_list_show_pause_resume_run_now_and_remove(overrides):
@@ -261,13 +262,13 @@ def test_the_schedules_commands_list_show_pause_resume_run_now_and_remove(overri
     app = create_app(**overrides)
     schedules = Schedules(app)
     for i in range(3):
-        schedules.upsert(f"cli:{i}", app.signature("tasks.demo.add", args=(1, 2)), 3600, misfire="once")
+        schedules.upsert(f"cli:{i}", app.signature("tasks.demo.add", args=(1, 2)), 3600, misfire="skip")
     schedules.upsert("odd\x1b[31m", app.signature("tasks.demo.add", args=(1, 2)), 60)
 
     page = json.loads(celery(overrides, "delayed", "schedules", "list", "--prefix", "cli:", "--json").stdout)
     assert sorted(i["schedule_id"] for i in page["items"]) == ["cli:0", "cli:1", "cli:2"] and page["cursor"] == ""
     listed = celery(overrides, "delayed", "schedules", "list").stdout
-    assert "cli:1  tasks.demo.add  every 3600 s  next " in listed and "misfire=once" in listed
+    assert "cli:1  tasks.demo.add  every 3600 s  next " in listed and "misfire=skip" in listed
     assert "\x1b" not in listed and "odd" in listed
     assert "paused: False" in celery(overrides, "delayed", "schedules", "show", "cli:1").stdout
 

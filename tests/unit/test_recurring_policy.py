@@ -18,15 +18,15 @@ GRACE = 5000
 
 def test_a_late_occurrence_within_the_grace_runs_whatever_the_policy():
     """A poller's crash delays an occurrence by up to the grace: it still runs, the chain goes on."""
-    for options in (Options(), Options(misfire="once"), Options(misfire="all", catch_up_ms=1000)):
+    for options in (Options(misfire="skip"), Options(), Options(misfire="all", catch_up_ms=1000)):
         assert options.misfire_of(EVERY_2S, "s", 10_000, 14_000, GRACE).runs
 
 
 @pytest.mark.parametrize("options, expected", [
     # skip: the missed occurrence and the times after it never run; the chain goes on after now
-    (Options(), Misfire(runs=False, after_ms=30_500, missed=11)),
-    # once: the late occurrence runs, for all of them; the chain goes on after now
-    (Options(misfire="once"), Misfire(runs=True, after_ms=30_500, missed=10)),
+    (Options(misfire="skip"), Misfire(runs=False, after_ms=30_500, missed=11)),
+    # once (the default): the late occurrence runs, for all of them; the chain goes on after now
+    (Options(), Misfire(runs=True, after_ms=30_500, missed=10)),
     # all: each time within the window (after 22_500) runs; 10 s to 22 s are older: missed
     (Options(misfire="all", catch_up_ms=8000), Misfire(runs=False, after_ms=22_500, missed=7)),
     (Options(misfire="all", catch_up_ms=60_000), Misfire(runs=True, after_ms=10_000, missed=0)),
@@ -87,6 +87,7 @@ def test_only_options_that_are_not_defaults_are_stored():
     assert Options().data() == {}
     options = Options(misfire="all", catch_up_ms=60_000, overlap=False)
     assert options.data() == {"misfire": "all", "catch_up_ms": 60_000, "overlap": False}
+    assert Options(misfire="skip").data() == {"misfire": "skip"}
     assert Options.of(options.data()) == options
 
 

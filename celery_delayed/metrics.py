@@ -29,6 +29,12 @@ _POLLER_COUNTERS = {
     "dead_lettered": DEAD_LETTERED.labels("poller"),
     "dropped": Counter("celery_delayed_dropped", "Claimed copies not sent: stale occurrences of recurring "
                        "schedules changed or removed since they were written"),
+    "occurrences_fired": Counter("celery_delayed_occurrences_fired", "Occurrences of recurring schedules sent "
+                                 "to run"),
+    "occurrences_missed": Counter("celery_delayed_occurrences_missed", "Times of recurring schedules that "
+                                  "never run: missed during an outage or a pause, by their misfire policy"),
+    "occurrences_overlapped": Counter("celery_delayed_occurrences_overlapped", "Occurrences of recurring "
+                                      "schedules not run: the previous one still ran (overlap=False)"),
     "fenced": Counter("celery_delayed_fence_rejections", "Claims refused because a newer leader exists"),
     "producer_replaced": Counter("celery_delayed_producers_replaced", "Kafka producers replaced after a fatal "
                                  "error (what they held returned to due)"),

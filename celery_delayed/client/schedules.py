@@ -7,8 +7,10 @@ keeps it and derives each occurrence from it.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+import builtins
+from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from celery import Celery
 from celery.canvas import Signature
@@ -20,6 +22,7 @@ from celery_delayed.client.intercept import DelayedAMQP
 from celery_delayed.envelope import KEY_HEADER, Envelope
 from celery_delayed.recurring.definitions import Definition, Definitions
 from celery_delayed.recurring.occurrences import TEMPLATE_ID
+from celery_delayed.recurring.policy import Options
 from celery_delayed.recurring.rules import Rule, rule_of
 
 logger = inert.logger(__name__)
@@ -28,6 +31,9 @@ logger = inert.logger(__name__)
 TEMPLATE_ETA = datetime(2100, 1, 1, tzinfo=timezone.utc)
 #: The schedule id of ``beat_schedule`` entry ``<name>``.
 BEAT_PREFIX = "beat:"
+#: A schedule's options (:meth:`Schedules.upsert`'s keyword arguments), also read from a ``beat_schedule``
+#: entry's keys or its ``options`` (where they are taken out, not sent to ``apply_async``).
+OPTION_NAMES = ("start", "end", "jitter", "misfire", "catch_up", "overlap")
 
 
 class Schedules:
@@ -39,22 +45,80 @@ class Schedules:
         self.app = app
         self.definitions = Definitions(app.amqp.delayed_store)
 
-    def upsert(self, schedule_id: str, signature: Signature, schedule: Any, tz: str | None = None) -> Definition:
+    def upsert(self, schedule_id: str, signature: Signature, schedule: Any, tz: str | None = None,
+               **options: Any) -> Definition:
         """Run ``signature`` by ``schedule`` (a ``crontab``, evaluated in ``tz``, default the app's
         ``timezone``; a ``schedule``, ``timedelta`` or seconds, from the epoch), from its next time on.
-        Changing a schedule replaces its pending occurrence; the same again changes nothing."""
-        return self.definitions.put(schedule_id, template_of(self.app, signature),
-                                    rule_of(schedule, tz or zone_of(self.app)))
+        Changing a schedule replaces its pending occurrence; the same again changes nothing.
+
+        Options (:data:`OPTION_NAMES`, docs/recurring.md): ``start``, ``end`` (datetimes, naive ones in
+        ``tz``, or seconds since the epoch), ``jitter`` (seconds or a timedelta: each occurrence is due
+        up to that late, by a delay derived from its time), ``misfire`` (``"once"``, the default,
+        ``"skip"``, ``"all"``), ``catch_up`` (the window ``"all"`` runs missed times within), ``overlap`` (False:
+        skip an occurrence while the previous one runs).  A bad value raises ``ValueError``."""
+        zone = tz or zone_of(self.app)
+        return self.definitions.put(schedule_id, template_of(self.app, signature), rule_of(schedule, zone),
+                                    options=options_of(options, zone))
 
     def remove(self, schedule_id: str) -> bool:
         """Stop a schedule: its pending occurrence never runs.  False when there was none."""
         return self.definitions.remove(schedule_id)
 
+    def pause(self, schedule_id: str) -> Definition | None:
+        """Stop running a schedule until :meth:`resume` (its misfire policy says what then runs of the
+        times it missed).  None when there is no such schedule."""
+        return self.definitions.pause(schedule_id)
+
+    def resume(self, schedule_id: str) -> Definition | None:
+        """Run a paused schedule again.  None when there is no such schedule."""
+        return self.definitions.resume(schedule_id)
+
+    def run_now(self, schedule_id: str) -> str | None:
+        """Run a schedule once now, besides its chain; returns that run's task id (None: no such schedule)."""
+        return self.definitions.run_now(schedule_id)
+
     def get(self, schedule_id: str) -> Definition | None:
         return self.definitions.get(schedule_id)
 
-    def all(self) -> list[Definition]:
+    def list(self, prefix: str = "", cursor: str = "", count: int = 100) -> tuple[builtins.list[Definition], str]:
+        """A page of the schedules whose id starts with ``prefix`` (about ``count``, in no order) and the
+        cursor of the next page ('' after the last): ``cursor`` ('' for the first page)."""
+        return self.definitions.page(prefix, cursor, count)
+
+    def all(self) -> builtins.list[Definition]:
+        """Every schedule, at once (:meth:`list` pages through millions)."""
         return self.definitions.all()
+
+
+def options_of(options: dict[str, Any], tz: str) -> Options:
+    """The :class:`.Options` of :meth:`Schedules.upsert`'s keyword arguments (naive datetimes in ``tz``)."""
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"unknown schedule option(s) {', '.join(sorted(unknown))}; known: {', '.join(OPTION_NAMES)}")
+    if not isinstance(options.get("overlap", True), bool):
+        raise ValueError(f"overlap must be True or False, got {options['overlap']!r}")
+    return Options(start_ms=_instant_ms(options.get("start"), tz), end_ms=_instant_ms(options.get("end"), tz),
+                   jitter_ms=_duration_ms(options.get("jitter", 0), "jitter"),
+                   misfire=options.get("misfire", "once"),
+                   catch_up_ms=_duration_ms(options.get("catch_up", 0), "catch_up"),
+                   overlap=options.get("overlap", True))
+
+
+def _instant_ms(value: Any, tz: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return int((value if value.tzinfo else value.replace(tzinfo=ZoneInfo(tz))).timestamp() * 1000)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value * 1000)
+    raise ValueError(f"start and end must be datetimes or seconds since the epoch, got {value!r}")
+
+
+def _duration_ms(value: Any, name: str) -> int:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise ValueError(f"{name} must be seconds >= 0 or a timedelta, got {value!r}")
+    return round(seconds * 1000)
 
 
 def zone_of(app: Celery) -> str:
@@ -90,16 +154,22 @@ def template_of(app: Celery, signature: Signature) -> bytes:
     return template.encode()
 
 
-def beat_entries(app: Celery) -> dict[str, tuple[bytes, Rule]]:
+def beat_entries(app: Celery) -> dict[str, tuple[bytes, Rule, Options]]:
     """The recurring schedules of the app's ``beat_schedule`` (schedule id ``beat:<name>`` -> template,
-    rule), as ``celery beat`` would send each entry (``task``, ``args``, ``kwargs``, ``options``).  An
-    entry that cannot be one (a ``solar`` schedule, ``expires``...) is logged and left out."""
+    rule, options), as ``celery beat`` would send each entry (``task``, ``args``, ``kwargs``,
+    ``options``); the schedule's own options (:data:`OPTION_NAMES`) are the entry's keys, or are taken
+    out of its ``options``.  An entry that cannot be one (a ``solar`` schedule, ``expires``, a bad
+    option...) is logged and left out."""
     entries = {}
     for name, entry in (app.conf.beat_schedule or {}).items():
         try:
+            sent = dict(entry.get("options", {}))
+            own = {key: sent.pop(key) if key in sent else entry[key]
+                   for key in OPTION_NAMES if key in sent or key in entry}
             signature = app.signature(entry["task"], args=entry.get("args", ()), kwargs=entry.get("kwargs", {}),
-                                      options=entry.get("options", {}))
-            entries[BEAT_PREFIX + name] = (template_of(app, signature), rule_of(entry["schedule"], zone_of(app)))
+                                      options=sent)
+            entries[BEAT_PREFIX + name] = (template_of(app, signature), rule_of(entry["schedule"], zone_of(app)),
+                                           options_of(own, zone_of(app)))
         except (KeyError, ValueError) as exc:
             logger.error("beat_schedule entry %r is not run: %s", name, exc)
     return entries

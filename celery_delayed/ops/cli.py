@@ -38,6 +38,7 @@ from celery_delayed.ops import browse, drain
 from celery_delayed.ops.browse import Filter, parse_move, parse_rate, parse_when
 from celery_delayed.poller.leadership import etcd_address, leaders, live_pollers, make_etcd
 from celery_delayed.poller.loop import Poller
+from celery_delayed.recurring.definitions import Definition, Definitions
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetterError, DeadLetters
@@ -652,6 +653,98 @@ def _loopback(address: str) -> bool:
         return address == "localhost" or ipaddress.ip_address(address).is_loopback
     except ValueError:  # a host name
         return False
+
+
+# -- recurring schedules -------------------------------------------------------
+@delayed.group()
+def schedules() -> None:
+    """Recurring schedules (beat_schedule's and those made at run time): list, show, pause, resume,
+    run now, remove."""
+
+
+def _definitions(ctx: click.Context) -> Definitions:
+    return Definitions(_load(ctx)[1])
+
+
+def _no_schedule(schedule_id: str) -> click.ClickException:
+    return click.ClickException(inert(f"no recurring schedule {schedule_id!r}"))
+
+
+def _schedule_line(definition: Definition, now_ms: int) -> str:
+    """One line: id, task, rule, next run (or paused, ended), options; whole ids, to copy and grep."""
+    info = definition.describe()
+    state = "paused" if info["paused"] else "ended" if info["next_ms"] is None else \
+        f"next {iso_of(info['next_ms'])} ({_due_in(info['next_ms'], now_ms)})"
+    options = " ".join(f"{k}={v}" for k, v in info["options"].items())
+    return inert(f"{info['schedule_id']}  {info['task']}  {info['rule']}  {state}  {options}".rstrip())
+
+
+@schedules.command(name="list", cls=CeleryCommand)
+@click.option("--prefix", default="", help="Only the schedules whose id starts with this.")
+@click.option("--limit", type=click.IntRange(1, MAX_PAGE), default=100, show_default=True,
+              help="About this many a page.")
+@click.option("--after", metavar="CURSOR", default="", help="Continue after a previous page (its cursor).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: {items, cursor}.")
+@click.pass_context
+def list_schedules(ctx: click.Context, prefix: str, limit: int, after: str, as_json: bool) -> None:
+    """A page of the recurring schedules (in no order), and the cursor of the next."""
+    definitions = _definitions(ctx)
+    page, cursor = definitions.page(prefix, after, limit)
+    if as_json:
+        click.echo(json.dumps({"items": [d.describe() for d in page], "cursor": cursor}))
+        return
+    now_ms = definitions.store.now_ms()
+    for definition in page:
+        click.echo(_schedule_line(definition, now_ms))
+    if cursor:
+        click.echo(inert(f"next page: --after {cursor}"))
+
+
+@schedules.command(name="show", cls=CeleryCommand)
+@click.argument("schedule_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def show_schedule(ctx: click.Context, schedule_id: str, as_json: bool) -> None:
+    """One recurring schedule: task, rule, options, version, state and its next occurrence."""
+    definitions = _definitions(ctx)
+    if (definition := definitions.get(schedule_id)) is None:
+        raise _no_schedule(schedule_id)
+    if as_json:
+        click.echo(json.dumps(definition.describe()))
+        return
+    info, now_ms = definition.describe(), definitions.store.now_ms()
+    for key in ("next_ms", "last_ms"):
+        if info[key] is not None:
+            info[key] = f"{iso_of(info[key])} ({_due_in(info[key], now_ms)})"
+    for key, value in info.items():
+        click.echo(inert(f"{key}: {json.dumps(value) if isinstance(value, dict) else value}"))
+
+
+def _schedule_command(name: str, act: Callable[[Definitions, str], object], said: Callable[[object], str],
+                      doc: str) -> None:
+    """``delayed schedules NAME SCHEDULE_ID``: ``act`` on it, then say what it did (``said`` of what
+    ``act`` returned); None or False, no such schedule: a one-line error."""
+    @schedules.command(name=name, cls=CeleryCommand, help=doc)
+    @click.argument("schedule_id")
+    @click.pass_context
+    def command(ctx: click.Context, schedule_id: str) -> None:
+        done = act(_definitions(ctx), schedule_id)
+        if done is None or done is False:
+            raise _no_schedule(schedule_id)
+        click.echo(inert(f"{schedule_id}: {said(done)}"))
+
+
+for _name, _act, _said, _doc in (
+        ("pause", Definitions.pause, lambda _: "paused",
+         "Stop running SCHEDULE_ID until resumed (its pending occurrence is cancelled)."),
+        ("resume", Definitions.resume, lambda _: "resumed",
+         "Run SCHEDULE_ID again; what it missed meanwhile runs by its misfire policy."),
+        ("run-now", Definitions.run_now, lambda task_id: f"runs now as task {task_id}",
+         "Run SCHEDULE_ID once now, besides its chain; prints that run's task id."),
+        ("remove", Definitions.remove, lambda _: "removed",
+         "Delete SCHEDULE_ID: its pending occurrence never runs (a beat_schedule entry comes back at the "
+         "next poller start while it is configured).")):
+    _schedule_command(_name, _act, _said, _doc)
 
 
 # -- dead-letter queue ---------------------------------------------------------

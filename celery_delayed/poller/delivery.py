@@ -116,10 +116,11 @@ class Delivery:
             self._pending += 1
             return True
 
-    def drop(self, partition: int, task_id: str, stamp: int) -> None:
-        """Forget a claimed copy that is not to be sent (a stale occurrence of a recurring schedule)."""
+    def drop(self, partition: int, task_id: str, stamp: int, counted: bool = True) -> None:
+        """Forget a claimed copy that is not to be sent (an occurrence of a recurring schedule not to run),
+        ``counted`` as dropped (a stale one; a missed one is counted as missed)."""
         self._settle(self.store.ack, partition, [(task_id, stamp)])
-        self.stats.add("dropped")
+        self.stats.add("dropped", counted)
 
     def _ensure_topic(self, topic: str) -> bool:
         """Create a queue's topic if missing; on failure, stop trying for a few seconds."""

@@ -30,6 +30,7 @@ from celery_delayed.poller.delivery import Delivery
 from celery_delayed.poller.leadership import Leadership
 from celery_delayed.recurring.definitions import BEAT, Definitions
 from celery_delayed.recurring.occurrences import maybe_occurrence
+from celery_delayed.recurring.policy import Options
 from celery_delayed.recurring.rules import Rule
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import Claim, DelayedStore
@@ -86,14 +87,14 @@ class Poller:
     ``backend``: the app's result backend, where a task the poller dead-letters
     gets its FAILURE result (so its waiters wake up); ``producer``: instead of a
     new one (tests); ``beat_schedule``: the recurring schedules of the app's
-    ``beat_schedule`` (schedule id -> template, rule), synced at start
+    ``beat_schedule`` (schedule id -> template, rule, options), synced at start
     (:meth:`.Definitions.sync`; None: not synced).
     """
 
     def __init__(self, settings: Settings, store: DelayedStore | None = None,
                  leadership: Leadership | None = None, producer: Producer | None = None,
                  backend: ResultBackend | None = None,
-                 beat_schedule: dict[str, tuple[bytes, Rule]] | None = None) -> None:
+                 beat_schedule: dict[str, tuple[bytes, Rule, Options]] | None = None) -> None:
         self.settings = settings
         self.store = store or DelayedStore(settings)
         self.recurring = Definitions(self.store)
@@ -230,18 +231,21 @@ class Poller:
 
     def _occurrence_goes(self, partition: int, task_id: str, claim: Claim, data: bytes) -> bool:
         """Whether a claimed copy with a version-5 id goes to Kafka: a recurring schedule's occurrence has
-        its successor written first (:meth:`.Definitions.advance`), and a stale one is dropped (acked
-        unsent).  When the successor cannot be written, the copy stays in flight and is claimed again
-        after the visibility timeout."""
+        its successor written first (:meth:`.Definitions.advance`), and one not to run (stale, missed,
+        overlapping) is acked unsent.  When the successor cannot be written, the copy stays in flight
+        and is claimed again after the visibility timeout."""
         try:
-            goes = self.recurring.advance(data, claim.now_ms)
+            advance = self.recurring.advance(data, claim.now_ms)
         except STORE_ERRORS as exc:
             logger.warning("task %s: cannot write its recurring schedule's next occurrence (%s): due again after "
                            "the visibility timeout", task_id, exc)
             return False
-        if not goes:
-            self.delivery.drop(partition, task_id, claim.stamp)
-        return goes
+        self.stats.add("occurrences_fired", advance.fired)
+        self.stats.add("occurrences_missed", advance.missed)
+        self.stats.add("occurrences_overlapped", advance.overlapped)
+        if not advance.goes:
+            self.delivery.drop(partition, task_id, claim.stamp, counted=advance.stale)
+        return advance.goes
 
     def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int], wanted: Counter[str]
                 ) -> Iterator[tuple[int, int, int, Claim | Fenced]]:

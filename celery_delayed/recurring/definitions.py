@@ -24,59 +24,102 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery_delayed import inert
 from celery_delayed.envelope import Envelope, EnvelopeError
-from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, SCHEDULE_HEADER, VERSION_HEADER, occurrence,
-    occurrence_id)
+from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSION, SCHEDULE_HEADER, VERSION_HEADER,
+    occurrence, occurrence_id)
+from celery_delayed.recurring.policy import Options, grace_ms
 from celery_delayed.recurring.rules import Rule, rule_data, rule_from_data
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.outcomes import Change
 
 logger = inert.logger(__name__)
 
 #: The origin of the definitions ``beat_schedule`` made: the sync removes those no longer configured.
 BEAT = "beat"
+#: Definitions a :meth:`Definitions.page` asks each partition for at a time.
+PAGE = 100
+#: A schedule's options when none are given.
+DEFAULTS = Options()
 
 
 @dataclass(frozen=True)
 class Definition:
-    """One schedule: what runs (``template``), when (``rule``, plain data), and its pending occurrence."""
+    """One schedule: what runs (``template``), when (``rule``, plain data), how (``options``, the
+    :class:`.Options` that are not defaults), whether it is paused, and its pending occurrence
+    (``pending_ms``; None once its chain ended; while paused, the first time it missed).  ``last_ms``:
+    the last occurrence dispatched to run, kept only for a schedule that must not overlap."""
 
     schedule_id: str
     rule: dict[str, Any]
     template: bytes
     origin: str
     version: int
-    pending_ms: int
+    pending_ms: int | None
+    options: dict[str, Any] = field(default_factory=dict)
+    paused: bool = False
+    last_ms: int | None = None
 
     @property
-    def pending_id(self) -> str:
+    def pending_id(self) -> str | None:
         """The task id of the pending occurrence."""
-        return occurrence_id(self.schedule_id, self.pending_ms)
+        return None if self.pending_ms is None else occurrence_id(self.schedule_id, self.pending_ms)
 
     @property
     def task_name(self) -> str:
         return Envelope.decode(self.template).task_name
 
+    def describe(self) -> dict[str, Any]:
+        """What an operator reads of it (``delayed schedules show``, ``--json``): plain data."""
+        rule = (f"{self.rule['cron']} ({self.rule['tz']})" if "cron" in self.rule
+                else f"every {self.rule['every_ms'] / 1000:g} s")
+        return {"schedule_id": self.schedule_id, "task": self.task_name, "rule": rule, "origin": self.origin,
+                "version": self.version, "paused": self.paused, "next_ms": self.pending_ms,
+                "next_id": self.pending_id, "options": self.options, "last_ms": self.last_ms}
+
     def encode(self) -> str:
-        return json.dumps({"rule": self.rule, "template": base64.b64encode(self.template).decode(),
-                           "origin": self.origin, "version": self.version, "pending_ms": self.pending_ms},
+        fields = {"rule": self.rule, "template": base64.b64encode(self.template).decode(), "origin": self.origin,
+                  "version": self.version, "pending_ms": self.pending_ms}
+        extra = {"options": self.options, "paused": self.paused, "last_ms": self.last_ms}
+        return json.dumps({**fields, **{name: value for name, value in extra.items() if value}},
                           separators=(",", ":"))
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
         fields = json.loads(data)
         return cls(schedule_id, fields["rule"], base64.b64decode(fields["template"]), fields["origin"],
-                   fields["version"], fields["pending_ms"])
+                   fields["version"], fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
+                   fields.get("last_ms"))
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What :meth:`Definitions.advance` decided for a claimed copy: whether it goes to Kafka, and what
+    it counts, once per occurrence (by the copy that moved the chain on; a run-now one at each dispatch):
+    ``fired``, sent to run; ``missed``, the schedule's times that never run; ``overlapped``, not run,
+    the previous occurrence still running; ``stale``, dropped."""
+
+    goes: bool
+    fired: bool = False
+    missed: int = 0
+    overlapped: bool = False
+    stale: bool = False
+
+
+#: What :meth:`Definitions.advance` answers for a copy that is no occurrence of ours.
+NOT_AN_OCCURRENCE = Advance(True)
 
 
 class Definitions:
-    """The recurring schedules of one store: read, put, remove, sync; the poller's :meth:`advance`."""
+    """The recurring schedules of one store: read, put, pause, resume, run now, remove, list, sync; the
+    poller's :meth:`advance`."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
+        self.grace_ms = grace_ms(store.settings)
 
     def get(self, schedule_id: str) -> Definition | None:
         data = self.store.redis.hget(self._key(schedule_id), schedule_id)
@@ -90,41 +133,104 @@ class Definitions:
         return [Definition.decode(schedule_id.decode(), data)
                 for held in self.store.execute(pipe) for schedule_id, data in held.items()]
 
-    def put(self, schedule_id: str, template: bytes, rule: Rule, origin: str = "api") -> Definition:
-        """Create or change a schedule; returns its definition.  A change (rule, template or origin)
-        raises its version and replaces its pending occurrence with the rule's next time from now;
-        putting what is stored changes nothing (pollers starting at once all put ``beat_schedule``)."""
-        data = rule_data(rule)
+    def page(self, prefix: str = "", cursor: str = "", count: int = PAGE) -> tuple[list[Definition], str]:
+        """The definitions whose id starts with ``prefix``, a page at a time (``HSCAN``, partition by
+        partition: never all at once): one page from ``cursor`` ('' first), and the cursor of the next
+        ('' after the last).  A page holds about ``count``, in no order; one may be empty."""
+        partition, _, position = (cursor or "0:0").partition(":")
+        if not (partition.isdigit() and position.isdigit()):
+            raise ValueError(f"not a cursor of a list of recurring schedules: {cursor!r}")
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        found: list[Definition] = []
+        p, at = int(partition), int(position)
+        while p < self.store.settings.partitions and len(found) < count:
+            at, held = self.store.redis.hscan(self.store.keys.recurring(p), at, match=pattern, count=count)
+            found.extend(Definition.decode(schedule_id.decode(), data) for schedule_id, data in held.items())
+            if at == 0:
+                p += 1
+        return found, "" if p >= self.store.settings.partitions else f"{p}:{at}"
+
+    def put(self, schedule_id: str, template: bytes, rule: Rule, origin: str = "api",
+            options: Options = DEFAULTS) -> Definition:
+        """Create or change a schedule; returns its definition.  A change (rule, template, origin or
+        options) raises its version and replaces its pending occurrence with the rule's next time from
+        now (or from the schedule's start); putting what is stored changes nothing (pollers starting at
+        once all put ``beat_schedule``).  A paused schedule stays paused.  ``ValueError`` when the
+        schedule would end before its first time."""
+        data, wanted = rule_data(rule), options.data()
         while True:
             held = self.get(schedule_id)
-            if held is not None and (held.rule, held.template, held.origin) == (data, template, origin):
+            if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template,
+                                                                                             origin, wanted):
                 self._write_pending(held)  # a put that stopped after its compare-and-set, completed
                 return held
-            new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1,
-                             rule.next_after(self.store.now_ms()))
+            first = options.first(rule, self.store.now_ms())
+            if first is None:
+                raise ValueError(f"recurring schedule {schedule_id} ends before its first time")
+            new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
+                             held is not None and held.paused)
             if self._compare_and_set(schedule_id, held.version if held else 0, new):
                 break
         self._write_pending(new)
-        if held is not None and held.pending_id != new.pending_id:  # a copy in flight is dropped as stale
-            self.store.cancel(held.pending_id)
-        logger.info("recurring schedule %s: version %d, next at %d ms", schedule_id, new.version, new.pending_ms)
+        self._cancel_replaced(held, new)
+        logger.info("recurring schedule %s: version %d, next at %s ms", schedule_id, new.version, new.pending_ms)
         return new
 
     def remove(self, schedule_id: str) -> bool:
         """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale)."""
         while (held := self.get(schedule_id)) is not None:
             if self._compare_and_set(schedule_id, held.version, None):
-                self.store.cancel(held.pending_id)
+                self._cancel_replaced(held, None)
                 logger.info("recurring schedule %s removed", schedule_id)
                 return True
         return False
 
-    def sync(self, entries: dict[str, tuple[bytes, Rule]], origin: str = BEAT) -> None:
-        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule): put each,
-        remove the others of that origin, and write every other schedule's pending occurrence again
+    def pause(self, schedule_id: str) -> Definition | None:
+        """Stop running a schedule until :meth:`resume`: its pending occurrence is cancelled (one in
+        flight is dropped as stale, or runs) and, when the cancel removed it, kept as the first time it
+        misses.  The definition points past it until then, so a pause interrupted in between skips it
+        rather than run it twice.  None when there is no such schedule."""
+        while (held := self.get(schedule_id)) is not None and not held.paused:
+            paused = replace(held, version=held.version + 1, paused=True,
+                             pending_ms=None if held.pending_ms is None else self._next(held, held.pending_ms))
+            if self._compare_and_set(schedule_id, held.version, paused):
+                if held.pending_id is not None and self.store.cancel(held.pending_id) is Change.DONE:
+                    kept = replace(paused, pending_ms=held.pending_ms)  # it never ran: the first missed
+                    paused = kept if self._compare_and_set(schedule_id, paused.version, kept) else paused
+                logger.info("recurring schedule %s paused", schedule_id)
+                return paused
+        return held
+
+    def resume(self, schedule_id: str) -> Definition | None:
+        """Run a paused schedule again: its pending occurrence is written again, at the first time it
+        missed, and the poller dispatches it by the schedule's misfire policy.  None when there is none."""
+        while (held := self.get(schedule_id)) is not None and held.paused:
+            resumed = replace(held, version=held.version + 1, paused=False)
+            if self._compare_and_set(schedule_id, held.version, resumed):
+                self._write_pending(resumed)
+                logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
+                return resumed
+        return held
+
+    def run_now(self, schedule_id: str) -> str | None:
+        """Run a schedule once more, now, out of its chain (paused or not); returns that run's task id
+        (its own, derived from (schedule id, now): never one of the chain's).  None when there is none."""
+        held = self.get(schedule_id)
+        if held is None:
+            return None
+        now = self.store.now_ms()
+        task_id, message = occurrence(Envelope.decode(held.template), schedule_id, RUN_NOW_VERSION, now,
+                                      self.store.settings.compress_min_bytes)
+        self.store.schedule(task_id, now, message)
+        logger.info("recurring schedule %s: run now as task %s", schedule_id, task_id)
+        return task_id
+
+    def sync(self, entries: dict[str, tuple[bytes, Rule, Options]], origin: str = BEAT) -> None:
+        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): put
+        each, remove the others of that origin, and write every other schedule's pending occurrence again
         (harmless: derived ids), which completes a put that stopped after its compare-and-set."""
-        for schedule_id, (template, rule) in entries.items():
-            self.put(schedule_id, template, rule, origin)
+        for schedule_id, (template, rule, options) in entries.items():
+            self.put(schedule_id, template, rule, origin, options)
         for held in self.all():
             if held.schedule_id in entries:
                 continue
@@ -133,44 +239,86 @@ class Definitions:
             else:
                 self._write_pending(held)
 
-    def advance(self, message: bytes, now_ms: int) -> bool:
+    def advance(self, message: bytes, now_ms: int) -> Advance:
         """Before a claimed copy of a version-5 task id is produced: if it is an occurrence, write its
-        successor (the rule's next time after its nominal time, or after ``now_ms`` when it is late:
-        missed times are skipped) and point its definition at it.  False when it is a stale occurrence
-        (not to be produced: it never runs, and has no successor); True for everything else.  A store
-        error is raised: the copy then stays in flight, and is claimed again after the visibility timeout."""
+        successor and point its definition at it, then say whether it goes (:class:`Advance`).
+
+        The successor is the rule's next time after the occurrence's nominal time, or after a later
+        instant that the schedule's misfire policy chooses when the occurrence is late
+        (:meth:`.Options.misfire_of`); none past the schedule's end; and it is not written when the
+        chain already went past it (a copy dispatched again after a crash, while the chain caught up).
+        An occurrence that does not go is acked unsent: a stale one (of another version than its
+        definition's: the schedule changed, paused or removed since it was written; it has no
+        successor), a missed one, or one that would overlap the previous run.  A run-now copy goes, out
+        of the chain.  A store error is raised: the copy then stays in flight, and is claimed again
+        after the visibility timeout."""
         try:
             headers = Envelope.decode(message).headers
         except EnvelopeError:
-            return True  # not an occurrence of ours: the poller's routing parks it
+            return NOT_AN_OCCURRENCE  # not an occurrence of ours: the poller's routing parks it
         schedule_id = headers.get(SCHEDULE_HEADER)
         if schedule_id is None:
-            return True
+            return NOT_AN_OCCURRENCE
+        if headers.get(VERSION_HEADER) == RUN_NOW_VERSION:
+            return Advance(True, fired=True)
         held = self.get(schedule_id)
         if held is None or held.version != headers.get(VERSION_HEADER):
             logger.info("occurrence %s of recurring schedule %s (version %s) is stale: dropped, not run",
                         headers.get("id"), schedule_id, headers.get(VERSION_HEADER))
+            return Advance(False, stale=True)
+        nominal, options, rule = headers[NOMINAL_HEADER], Options.of(held.options), rule_from_data(held.rule)
+        misfire = options.misfire_of(rule, schedule_id, nominal, now_ms, self.grace_ms)
+        overlapped = misfire.runs and not options.overlap and self._running(held, now_ms)
+        runs = misfire.runs and not overlapped
+        successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
+                            last_ms=nominal if runs and not options.overlap else held.last_ms)
+        advanced = False  # whether this copy moved the chain on: counted once, not at each dispatch of it
+        if successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms:
+            self._write_pending(successor)  # else the chain went past it: a copy dispatched again after a crash
+            advanced = self._compare_and_set(schedule_id, held.version, successor, forward=True)
+        if advanced and (misfire.missed or overlapped):
+            logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
+                        schedule_id, nominal, "runs" if runs else "does not run", misfire.missed, successor.pending_ms)
+        return Advance(runs, fired=runs and advanced, missed=misfire.missed if advanced else 0,
+                       overlapped=overlapped and advanced)
+
+    def _running(self, held: Definition, now_ms: int) -> bool:
+        """Whether the last occurrence dispatched to run may still be running: a worker holds its run
+        claim, or it did not finish (no finished record) and was due less than the grace ago (on its way
+        to a worker, or waiting for one)."""
+        if held.last_ms is None:
             return False
+        task_id, redis = occurrence_id(held.schedule_id, held.last_ms), self.store.redis
+        return bool(redis.exists(self.store.keys.run(task_id))) or (
+            now_ms - held.last_ms < self.grace_ms and not redis.exists(self.store.keys.done(task_id)))
+
+    def _next(self, held: Definition, after_ms: int) -> int | None:
+        """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
+        for years (its chain ends)."""
         try:
-            successor = replace(held, pending_ms=rule_from_data(held.rule).next_after(max(headers[NOMINAL_HEADER],
-                                                                                          now_ms)))
-        except ValueError as exc:  # a crontab with no time for years: this occurrence is its last
-            logger.error("recurring schedule %s ends: %s", schedule_id, exc)
-            return True
-        self._write_pending(successor)
-        self._compare_and_set(schedule_id, held.version, successor, forward=True)
-        return True
+            return Options.of(held.options).within(rule_from_data(held.rule).next_after(after_ms))
+        except ValueError as exc:
+            logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
+            return None
+
+    def _cancel_replaced(self, held: Definition | None, new: Definition | None) -> None:
+        """Cancel ``held``'s pending occurrence unless ``new`` has it (a copy in flight is dropped as stale)."""
+        if held is not None and held.pending_id is not None and (new is None or held.pending_id != new.pending_id):
+            self.store.cancel(held.pending_id)
 
     def _write_pending(self, definition: Definition) -> None:
-        """Store the pending occurrence of ``definition`` (kept if it is there; a copy of an older
-        version, or one in flight, is replaced)."""
+        """Store the pending occurrence of ``definition``, if it has one and is not paused (kept if it is
+        there; a copy of an older version, or one in flight, is replaced)."""
+        if definition.pending_ms is None or definition.paused:
+            return
         task_id, message = occurrence(Envelope.decode(definition.template), definition.schedule_id,
                                       definition.version, definition.pending_ms, self.store.settings.compress_min_bytes)
-        self.store.schedule(task_id, definition.pending_ms, message, attempt=definition.version)
+        due_ms = Options.of(definition.options).due_ms(definition.schedule_id, definition.pending_ms)
+        self.store.schedule(task_id, due_ms, message, attempt=definition.version)
 
     def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None, forward: bool = False) -> bool:
         """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none), and with
-        ``forward`` only if it moves the pending occurrence later."""
+        ``forward`` only if it moves the pending occurrence later (or ends the chain)."""
         return bool(self.store.scripts["recurring_put"](keys=[self._key(schedule_id)],
                                                         args=[schedule_id, version, new.encode() if new else "",
                                                               "1" if forward else ""]))

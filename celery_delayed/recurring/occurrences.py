@@ -17,11 +17,14 @@ NAMESPACE = uuid.UUID("5b0c7f9e-3d1a-4c6e-9a3f-1e2d4c6b8a01")
 TEMPLATE_ID = "00000000-0000-0000-0000-000000000000"
 #: Headers of an occurrence's message: its schedule, nominal time (ms) and definition version.
 SCHEDULE_HEADER, NOMINAL_HEADER, VERSION_HEADER = "delayed_schedule", "delayed_nominal", "delayed_version"
+#: The version of a run-now occurrence: one extra run, out of its schedule's chain (versions start at 1).
+RUN_NOW_VERSION = 0
 
 
-def occurrence_id(schedule_id: str, nominal_ms: int) -> str:
-    """The task id of ``schedule_id``'s occurrence at ``nominal_ms``, the same wherever it is computed."""
-    return str(uuid.uuid5(NAMESPACE, f"{schedule_id}\0{nominal_ms}"))
+def occurrence_id(schedule_id: str, nominal_ms: int, run_now: bool = False) -> str:
+    """The task id of ``schedule_id``'s occurrence at ``nominal_ms``, the same wherever it is computed;
+    a run-now occurrence's is another (never one of the chain's, at the same instant)."""
+    return str(uuid.uuid5(NAMESPACE, f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")))
 
 
 def maybe_occurrence(task_id: str) -> bool:
@@ -34,8 +37,9 @@ def occurrence(template: Envelope, schedule_id: str, version: int, nominal_ms: i
                compress_min_bytes: int) -> tuple[str, bytes]:
     """``(task id, stored message)`` of the occurrence at ``nominal_ms``: ``template`` (built with
     :data:`TEMPLATE_ID`) with the occurrence's id as its id, root id and correlation id (protocol 2
-    keeps them out of the body, which is untouched), and the schedule's headers."""
-    task_id = occurrence_id(schedule_id, nominal_ms)
+    keeps them out of the body, which is untouched), and the schedule's headers.  Version
+    :data:`RUN_NOW_VERSION`: a run-now occurrence."""
+    task_id = occurrence_id(schedule_id, nominal_ms, version == RUN_NOW_VERSION)
     headers = {**template.headers, "id": task_id, "root_id": task_id, SCHEDULE_HEADER: schedule_id,
                NOMINAL_HEADER: nominal_ms, VERSION_HEADER: version}
     message = Envelope(task_id=task_id, queue=template.queue, headers=headers, body=template.body,

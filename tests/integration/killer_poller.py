@@ -1,10 +1,11 @@
-"""A poller of the demo app that kills itself (SIGKILL) at a chosen point of dispatching the first
-occurrence of a recurring schedule, as ``celery -A tasks delayed poller`` would run otherwise:
+"""A poller of the demo app that kills itself (SIGKILL) at a chosen point of dispatching an occurrence of
+a recurring schedule (the first, or the one after ``LET_THROUGH`` others), as ``celery -A tasks delayed
+poller`` would run otherwise:
 
 - ``before_produce``: its successor is written, the occurrence is not yet handed to Kafka;
 - ``before_ack``: Kafka confirmed the occurrence, the store has not forgotten it.
 
-``python -m tests.integration.killer_poller POINT``, configured from the environment as the demo's
+``python -m tests.integration.killer_poller POINT [LET_THROUGH]``, configured from the environment as the demo's
 processes are (:func:`tasks.processes.environment`).
 """
 from __future__ import annotations
@@ -21,17 +22,19 @@ from celery_delayed.recurring.occurrences import maybe_occurrence
 from tasks import create_app
 
 
-def main(point: str) -> None:
+def main(point: str, let_through: int = 0) -> None:
     logging.basicConfig(level="INFO", format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
     app = create_app()
     store = store_of(app)
     poller = Poller(store.settings, store=store, backend=app.backend, beat_schedule=beat_entries(app))
     target, name = (poller.delivery, "produce") if point == "before_produce" else (store, "ack")
     call = getattr(target, name)
+    seen: set[str] = set()
 
     def dying(*args, **kwargs):
         task_ids = [args[1]] if name == "produce" else [task_id for task_id, _ in args[1]]
-        if any(maybe_occurrence(task_id) for task_id in task_ids):
+        seen.update(task_id for task_id in task_ids if maybe_occurrence(task_id))
+        if len(seen) > let_through:
             print(f"killing myself {point} of {task_ids}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return call(*args, **kwargs)
@@ -41,4 +44,4 @@ def main(point: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))

@@ -16,6 +16,7 @@ CHECKED = [
     "__init__.py", "backend.py", "inert.py", "metrics.py",
     "client/__init__.py", "client/batch.py", "client/bulk.py", "client/schedules.py", "client/template.py",
     "recurring/__init__.py", "recurring/rules.py", "recurring/occurrences.py", "recurring/definitions.py",
+    "recurring/policy.py",
     "store/__init__.py", "store/keys.py", "store/layout.py", "store/records.py", "store/revoke.py",
     "store/scripts.py",
     "poller/__init__.py", "poller/loop.py",

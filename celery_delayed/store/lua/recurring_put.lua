@@ -1,12 +1,13 @@
 -- Write or delete one recurring schedule's definition if it is still the version the caller read:
 -- concurrent writers (pollers syncing beat_schedule at once, an API call) never both win one version.
--- A poller advancing the chain (ARGV[4] = '1') writes only a later pending occurrence, so a late
--- poller never moves it back.
+-- A poller advancing the chain (ARGV[4] = '1') writes only a later pending occurrence, or none (the
+-- chain ended) over one, so a late poller never moves it back.
 --
--- KEYS[1] definitions HASH (schedule id -> JSON with "version" and "pending_ms")
+-- KEYS[1] definitions HASH (schedule id -> JSON with "version" and "pending_ms", null once ended)
 -- ARGV[1] schedule id   ARGV[2] version read (0: none stored)   ARGV[3] new JSON, or '' to delete
--- ARGV[4] '1': only if the new pending_ms is later than the stored one, else ''
--- Returns 1 when written (or deleted), 0 when the stored definition is not the one read.
+-- ARGV[4] '1': only if the new pending_ms is later than the stored one (or null, the stored one not), else ''
+-- Returns 1 when written (or deleted), 0 when the stored definition is not the one read (or, with
+-- ARGV[4], the new one does not move the pending occurrence later).
 local stored = redis.call('HGET', KEYS[1], ARGV[1])
 local held = stored and cjson.decode(stored)
 if (held and held.version or 0) ~= tonumber(ARGV[2]) then return 0 end
@@ -14,6 +15,9 @@ if ARGV[3] == '' then
   redis.call('HDEL', KEYS[1], ARGV[1])
   return 1
 end
-if ARGV[4] == '1' and held and cjson.decode(ARGV[3]).pending_ms <= held.pending_ms then return 0 end
+if ARGV[4] == '1' and held then
+  local new, old = cjson.decode(ARGV[3]).pending_ms, held.pending_ms
+  if old == cjson.null or (new ~= cjson.null and new <= old) then return 0 end
+end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1

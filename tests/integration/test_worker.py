@@ -456,7 +456,8 @@ def test_a_task_whose_pool_child_dies_with_the_workers_stop_runs_again_at_once(o
     assert runs == expected_runs
 
 
-def test_a_worker_stopped_by_celery_control_shutdown_hands_its_tasks_over_at_once(overrides, processes):
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
+def test_a_worker_stopped_by_celery_control_shutdown_hands_its_tasks_over_at_once(overrides, processes, pool):
     """``celery -A proj control shutdown``: Celery's remote-control command stops the worker warm from
     inside its consumer.  The task it runs ends there, once; the tasks it held for its one pool slot
     never run there, and their run claims are given up: the next worker runs each at once, once, not a
@@ -468,14 +469,14 @@ def test_a_worker_stopped_by_celery_control_shutdown_hands_its_tasks_over_at_onc
     r = redis.Redis.from_url(app.conf.delayed_redis_url)
     processes.poller()
     name = f"w1-{run[:8]}"
-    first = processes.worker(name, "-c", "1")
+    first = processes.worker(name, "--pool", pool, "-c", "1")
     tasks = [due_in(app, "tasks.demo.work", (run, 4.0)) for _ in range(4)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
     control = processes.start("control", "control", "shutdown", "-d", f"{name}@{socket.gethostname()}")
     control.wait(timeout=60)  # "No nodes replied": a worker that shuts down sends no reply
     assert first.wait(timeout=60) == 0
     assert "Got shutdown from remote" in processes.log(first)
-    processes.worker("w2", "-c", "1")
+    processes.worker("w2", "--pool", pool, "-c", "1")
     stopped = time.monotonic()
     assert {x.get(timeout=40) for x in tasks} == {x.id for x in tasks}, \
         "the held tasks did not run well before their 60 s run claims would lapse"

@@ -5,9 +5,9 @@ Each figure is measured twice in the same run, on the same worker command:
 - **kafka**: celery-delayed's path (store -> poller -> Kafka -> worker);
 - **broker**: plain Celery on the Redis broker (the baseline): Celery's own ETA on the same pool.
 
-Throughput: N tasks already due, one worker (``--pool``: prefork with 2 processes, or a green
-pool of 50 greenlets) started on them; tasks/s from the first to the last task started.  Baseline: the same N
-tasks waiting on the broker queue.  Lag: tasks scheduled at a fixed rate with a
+Throughput: N tasks already due, one worker (``--pool``: prefork with 2 processes, threads with 2
+threads, solo, or a green pool of 50 greenlets) started on them; tasks/s from the first to the
+last task started.  Baseline: the same N tasks waiting on the broker queue.  Lag: tasks scheduled at a fixed rate with a
 2 s countdown; lag = task start - due time.  Baseline: Celery's own ETA
 handling (the worker holds each task in memory until due).  On the Kafka path
 each lag is split into its hops (due -> claimed by the poller -> produced ->

@@ -25,9 +25,10 @@ def add(x: int, y: int) -> int:
 
 
 @shared_task(name="tasks.demo.fire", bind=True)
-def fire(self, run: str, due_ms: int) -> int:
+def fire(self, run: str, due_ms: int, seconds: float = 0.0) -> int:
     """Record one execution of this task id and its lag behind the due time (ms); run from
-    Kafka, also when each hop on its way happened (the worker's feed says: ``hops``)."""
+    Kafka, also when each hop on its way happened (the worker's feed says: ``hops``).  With
+    ``seconds``: then wait that long (I/O, say a web call) and record when it ended (``done``)."""
     started_ms = int(time.time() * 1000)
     pipe = _redis().pipeline(transaction=False)
     pipe.hincrby(f"demo:{run}:runs", self.request.id, 1)
@@ -36,6 +37,9 @@ def fire(self, run: str, due_ms: int) -> int:
     if isinstance(hops, dict):
         pipe.rpush(f"demo:{run}:hops", json.dumps({"due": due_ms, **hops, "started": started_ms}))
     pipe.execute()
+    if seconds:
+        time.sleep(seconds)
+        _redis().rpush(f"demo:{run}:done", int(time.time() * 1000))
     return started_ms - due_ms
 
 

@@ -219,13 +219,12 @@ class _StoreProducer:
         own_retry = _is_own_retry(envelope.task_id)
         attempt = attempt_of(envelope.headers)
         store, app, task_id = self._amqp.delayed_store, self._amqp.app, envelope.task_id
-        due_ms = store.on_store_clock(self._due_ms)
         keyed = key_of(envelope.headers) if not attempt else None  # a retry keeps the key its first attempt took
         key, mode = keyed or (None, None)
         batch = self._amqp._batch()
         if batch is not None:
             if not own_retry and not attempt and not key:
-                batch.items.append((envelope.task_id, due_ms, stored))
+                batch.items.append((envelope.task_id, store.on_store_clock(self._due_ms), stored))
                 return True
             batch.bypass()  # what is batched is stored before this
 
@@ -243,7 +242,11 @@ class _StoreProducer:
         if holder not in (None, task_id) and retrying(store.get, holder) is not None:
             self._refuse(key, holder, envelope)
             return False
-        if retrying(store.schedule, task_id, due_ms, stored, attempt=attempt) is Stored.KEPT:
+        def schedule() -> Stored:
+            # the skew is measured in the write retried (a store away, a soft time limit firing meanwhile)
+            return store.schedule(task_id, store.on_store_clock(self._due_ms), stored, attempt=attempt)
+
+        if retrying(schedule) is Stored.KEPT:
             logger.warning("task %s [%s] is already scheduled: the scheduled copy is kept, this one dropped",
                            envelope.task_name, task_id)
         if mode == "keep":  # stored first, then the key if nobody took it meanwhile

@@ -135,6 +135,7 @@ class KafkaFeed:
         self.queues = sorted(amqp.queues.consume_from)
         self.offsets = OffsetTracker()
         self._ready: deque[Arrival] = deque()  # admitted, waiting for the loop
+        self._held: dict[int, Arrival] = {}  # green pool: admitted, handed over once due (see _hold)
         self._ready_lock = threading.Lock()
         self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
         self._admit_at = 0.0
@@ -444,12 +445,34 @@ class KafkaFeed:
         """Drop the records not handed to Celery yet (a stopped feed's: the next consumer reads
         them again), giving up the run claims taken for them."""
         with self._ready_lock:
-            dropped = list(self._ready)
+            dropped = [*self._ready, *self._held.values()]
             self._ready.clear()
+            self._held.clear()
             self._scheduled = False
         for arrival in dropped:
-            if arrival.verdict is not None and arrival.verdict.admit is Admit.RUN:
+            if _runs(arrival):
                 self.claims.release(arrival.envelope.task_id)
+
+    def _hold(self, arrival: Arrival) -> bool:
+        """In a green worker (gevent, eventlet), keep a record sent ahead of its due time
+        (``delayed_dispatch_lead``) here, not in Celery's ETA timer, and hand it over when due:
+        True when held.  See :meth:`_drain` for why."""
+        if arrival.held or not _runs(arrival):
+            return False
+        arrival.held = True
+        if (start_ms := self.intake.start_ms(arrival)) is None:
+            return False
+        with self._ready_lock:
+            self._held[id(arrival)] = arrival
+        self.c.timer.call_after(max(0.0, start_ms / 1000 - time.time()), self._unhold, (arrival,))
+        return True
+
+    def _unhold(self, arrival: Arrival) -> None:
+        """A held record is due: hand it over (unless a stop dropped it meanwhile)."""
+        with self._ready_lock:
+            if self._held.pop(id(arrival), None) is None:
+                return
+        self._hand_over([arrival])
 
     def _drain(self) -> None:
         """On the loop thread: give every waiting record to Celery, in order.
@@ -461,6 +484,11 @@ class KafkaFeed:
         no known transient kind is tried :data:`UNEXPECTED_TRIES` times, then the
         record is dead-lettered naming it: one record must not stop every one
         behind it for good.
+
+        A green worker (gevent, eventlet) hands a task over only once it is due (:meth:`_hold`) and
+        its pool has a free slot: there, a task handed to a full pool waits inside the pool's spawn,
+        beyond a warm stop's reach; the stop gives its run claim up to the next worker (it never
+        started here), and then it starts here too when a slot frees -- run twice.
         """
         while True:
             if not self._reading.is_set():  # stopped: left for redelivery
@@ -471,6 +499,13 @@ class KafkaFeed:
                     self._scheduled = False
                     return
                 arrival = self._ready.popleft()
+            if self._green and self._hold(arrival):
+                continue
+            if self._green and _runs(arrival) and _free_slots(self.c.pool) < 1:
+                with self._ready_lock:
+                    self._ready.appendleft(arrival)
+                self.c.timer.call_after(GREEN_POLL_GAP, self._drain)
+                return
             try:
                 self.intake.dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
@@ -512,3 +547,15 @@ def _close(consumer: Consumer) -> None:
 
 def _names(partitions: list[TopicPartition]) -> list[str]:
     return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
+
+
+def _runs(arrival: Arrival) -> bool:
+    """Whether an admitted record is to run here (the others are settled without a pool slot)."""
+    return arrival.verdict is not None and arrival.verdict.admit is Admit.RUN
+
+
+def _free_slots(pool: Any) -> int:
+    """Free slots of a green worker's pool: Celery's gevent and eventlet pools keep theirs as
+    ``_pool`` (gevent's ``Pool.free_count()``, eventlet's ``GreenPool.free()``; a test pins them)."""
+    green = pool._pool
+    return green.free_count() if hasattr(green, "free_count") else green.free()

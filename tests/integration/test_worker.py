@@ -456,24 +456,26 @@ def test_a_task_whose_pool_child_dies_with_the_workers_stop_runs_again_at_once(o
     assert runs == expected_runs
 
 
-@pytest.mark.parametrize("pool", ["prefork", pytest.param("gevent", marks=pytest.mark.xfail(strict=False, reason=(
-    "issue 42, open: a task held for the green pool's one slot (its hand-over waiting in the pool's spawn) "
-    "starts once the running task ends, after the warm stop gave its run claim up, and the worker exits "
-    "mid-task: the next worker runs it again (seen once in three runs)")))])
+def _worker_to_shut_down(overrides, processes, pool: str, concurrency: int):
+    """A poller and a worker of a name of its own that ``celery control shutdown`` reaches alone (its own
+    control exchange: other tests' workers share the broker), run claims of 120 s: the app, the run's
+    id, Redis, the worker's name and process."""
+    overrides.update(delayed_run_lease=120, control_exchange=f"{overrides['task_default_queue']}-control")
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    processes.poller()
+    name = f"w1-{run[:8]}"
+    first = processes.worker(name, "--pool", pool, "-c", str(concurrency))
+    return app, run, redis.Redis.from_url(app.conf.delayed_redis_url), name, first
+
+
+@pytest.mark.parametrize("pool", ["prefork", "gevent"])
 def test_a_worker_stopped_by_celery_control_shutdown_hands_its_tasks_over_at_once(overrides, processes, pool):
     """``celery -A proj control shutdown``: Celery's remote-control command stops the worker warm from
     inside its consumer.  The task it runs ends there, once; the tasks it held for its one pool slot
     never run there, and their run claims are given up: the next worker runs each at once, once, not a
-    run lease (120 s here: the next worker's start alone can take 20 s on a busy machine) later.  The
-    broadcast goes to this test's worker only (its own control exchange and a name of its own: other
-    tests' workers share the broker)."""
-    overrides.update(delayed_run_lease=120, control_exchange=f"{overrides['task_default_queue']}-control")
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    name = f"w1-{run[:8]}"
-    first = processes.worker(name, "--pool", pool, "-c", "1")
+    run lease (120 s here: the next worker's start alone can take 20 s on a busy machine) later."""
+    app, run, r, name, first = _worker_to_shut_down(overrides, processes, pool, 1)
     tasks = [due_in(app, "tasks.demo.work", (run, 4.0)) for _ in range(4)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
     control = processes.start("control", "control", "shutdown", "-d", f"{name}@{socket.gethostname()}")
@@ -488,6 +490,28 @@ def test_a_worker_stopped_by_celery_control_shutdown_hands_its_tasks_over_at_onc
     assert set(r.hvals(f"demo:{run}:runs")) == {b"1"}
     ran = {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in tasks}
     assert ran == {name, "w2"}
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_green_worker_stopped_while_a_task_waits_for_a_pool_slot_never_starts_it(overrides, processes, pool):
+    """A green pool's hand-over waits inside the pool for a free slot.  A task waiting there when the
+    worker stops warm is given up (its run claim released, so the next worker runs it at once); it
+    must then never start in the stopping worker, which still runs a long task, when a slot frees:
+    the task would run twice (issue 42).  Two slots: ``long`` and ``short`` run, ``waiting`` (due a
+    little later) waits for a slot; ``short`` ends while ``long`` keeps the stopping worker alive."""
+    app, run, r, name, first = _worker_to_shut_down(overrides, processes, pool, 2)
+    long, short = (due_in(app, "tasks.demo.work", (run, s), 3.0) for s in (16.0, 10.0))
+    waiting, waiting_due = due_in(app, "tasks.demo.work", (run, 8.0), 5.0), time.time() + 5.0
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 2, 60, "the long and the short task to start")
+    time.sleep(max(0.0, waiting_due + 1.5 - time.time()))  # due: waiting for a slot (until `short` ends)
+    processes.start("control", "control", "shutdown", "-d", f"{name}@{socket.gethostname()}").wait(timeout=60)
+    processes.worker("w2", "--pool", pool, "-c", "2")
+    assert waiting.get(timeout=90) == waiting.id
+    assert {long.get(timeout=90), short.get(timeout=30)} == {long.id, short.id}
+    assert first.wait(timeout=60) == 0
+    assert r.hget(f"demo:{run}:runs", waiting.id) == b"1", "the waiting task ran twice"
+    assert app.backend.get_task_meta(waiting.id)["worker"].split("@")[0] == "w2"
+    assert {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in (long, short)} == {name}
 
 
 def test_a_task_id_holding_cr_lf_forges_no_line_in_celerys_own_worker_log(overrides, processes):

@@ -39,6 +39,23 @@ def test_the_green_pools_say_they_are_green():
     assert gevent.TaskPool.is_green and eventlet.TaskPool.is_green and not prefork.TaskPool.is_green
 
 
+@pytest.mark.parametrize("name", ["gevent", "eventlet"])
+def test_a_green_pool_tells_its_free_slots(name):
+    """consumer.py hands a green pool a task only while it has a free slot (``_free_slots``: the pool
+    Celery's TaskPool keeps as ``_pool``); a slot taken by a running greenlet is not free."""
+    pytest.importorskip(name, reason="the green pools are a dev extra: scripts/test has them, test-pythons not")
+    from celery.concurrency import get_implementation
+    from celery_delayed.worker.consumer import _free_slots
+    pool = get_implementation(name)(limit=2)
+    pool.start()
+    try:
+        assert _free_slots(pool) == 2
+        pool._pool.spawn(lambda: None)  # not run until this greenlet yields: its slot is taken meanwhile
+        assert _free_slots(pool) == 1
+    finally:
+        pool.stop()
+
+
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():
     """Intake._fate reads ``Request._apply_result`` (private: set once the request is
     given to the pool, by the request class and by the one ``create_request_cls`` makes for each

@@ -67,7 +67,7 @@ def _feed(intake: _Intake, records: list[str]) -> tuple[KafkaFeed, list]:
     later: list = []
     feed = object.__new__(KafkaFeed)
     feed.c = SimpleNamespace(timer=SimpleNamespace(call_after=lambda delay, fn, args=(): later.append(fn)))
-    feed.intake, feed._ready_lock, feed._scheduled = intake, threading.Lock(), True
+    feed.intake, feed._ready_lock, feed._scheduled, feed._green = intake, threading.Lock(), True, False
     feed._ready = deque(Arrival(record=r, partition=None, read_ms=0) for r in records)
     feed._reading = threading.Event()
     feed._reading.set()

@@ -13,11 +13,14 @@ so whoever waits on it learns why instead of waiting for ever.
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
 import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable, Iterator
 
 from celery_delayed import inert
 from celery_delayed.envelope import Envelope, EnvelopeError, attempt_of
@@ -71,7 +74,7 @@ class DeadLetter:
         return json.dumps(self._meta(), separators=(",", ":")).encode() + b"\n" + self.message
 
     @classmethod
-    def decode(cls, data: bytes) -> "DeadLetter":
+    def decode(cls, data: bytes) -> DeadLetter:
         """Parse a record; fields unknown to this version are ignored, a damaged record raises."""
         end = data.find(b"\n")
         if end < 0:
@@ -164,7 +167,7 @@ class DeadLetters:
         return [DeadLetter.decode(d) for d in self._redis("hmget", self.keys[0], ids) if d is not None]
 
     def find(self, task: str | None = None, reason: str | None = None, limit: int = 100,
-             budget: int = 5_000) -> list[DeadLetter]:
+             budget: int = 5_000) -> builtins.list[DeadLetter]:
         """The newest ``limit`` dead letters of task name ``task`` whose reason contains ``reason``
         (None: any), among the newest ``budget`` letters; a damaged record is shown as one whose
         reason says so."""
@@ -176,7 +179,7 @@ class DeadLetters:
                     break
         return found
 
-    def matching(self, task: str | None = None, reason: str | None = None) -> list[str]:
+    def matching(self, task: str | None = None, reason: str | None = None) -> builtins.list[str]:
         """The task ids of every dead letter :meth:`find` would select (the whole queue is read, in
         chunks: it holds at most ``delayed_dlq_max_entries``)."""
         return [letter.task_id for letter in self._newest() if letter.matches(task, reason)]
@@ -249,7 +252,9 @@ class DeadLetters:
         now_ms = self.store.now_ms()
         requeued = kept = 0
         while ids := self._parked_before(now_ms, skip=kept):
-            batch, outcomes = [], []
+            batch: builtins.list[tuple[str, bytes, bytes, int]] = []
+            outcomes: builtins.list[tuple[str, DeadLetterError | None]] = []
+            raw_id: bytes
             for raw_id, data in zip(ids, self._redis("hmget", self.keys[0], ids)):
                 task_id = raw_id.decode()
                 try:
@@ -265,11 +270,11 @@ class DeadLetters:
                     report(task_id, error)
         return requeued
 
-    def _parked_before(self, ms: int, skip: int) -> list[bytes]:
+    def _parked_before(self, ms: int, skip: int) -> builtins.list[bytes]:
         """Up to :data:`REQUEUE_CHUNK` task ids parked no later than ``ms``, oldest first, after ``skip``."""
         return self._redis("zrange", self.keys[1], "-inf", ms, byscore=True, offset=skip, num=REQUEUE_CHUNK)
 
-    def _send_back(self, records: list[tuple[str, bytes, bytes, int]], now_ms: int,
+    def _send_back(self, records: builtins.list[tuple[str, bytes, bytes, int]], now_ms: int,
                    backend: ResultBackend | None) -> None:
         """Forget results, schedule ``(task_id, record, envelope, attempt)`` due now, then drop the records.
 
@@ -328,7 +333,5 @@ def _forget(backend: ResultBackend | None, task_id: str) -> None:
     """Drop the task's stored result, so a once-per-task-id check does not skip the rerun."""
     if backend is None:
         return
-    try:
+    with contextlib.suppress(NotImplementedError):  # the app has no result backend: nothing is stored
         backend.forget(task_id)
-    except NotImplementedError:  # the app has no result backend: nothing is stored
-        pass

@@ -542,3 +542,50 @@ def test_the_overview_names_a_queue_whose_topic_no_worker_reads(app):
         assert warning in client.request("/")[1]
     finally:
         srv.stop()
+
+
+def test_the_schedules_page_lists_shows_pauses_resumes_and_runs_a_schedule_now(app, server):
+    """Recurring schedules in the web view (issue 43): a page of them by id prefix, paged; each one's
+    page with its next run and that task's state; pause, resume and run-now, as forms and in the API;
+    an id holding markup is shown escaped; an unknown id or a bad cursor is a one-line error."""
+    from celery.schedules import crontab
+    from celery_delayed import Schedules
+    schedules = Schedules(app)
+    for i in range(7):
+        schedules.upsert(f"digest:user:{i}", app.signature("tasks.demo.add", (i, i)), crontab(minute=0, hour=8),
+                         tz="Europe/Paris")
+    schedules.upsert("poll:<b>x</b>", app.signature("tasks.demo.add", (1, 1)), 300, overlap=False)
+    client = Client(server.url)
+
+    status, page = client.json("/api/schedules?prefix=digest:&limit=3")
+    seen, pages = {i["schedule_id"] for i in page["items"]}, 1
+    while page["cursor"]:
+        page = client.json(f"/api/schedules?prefix=digest:&limit=3&after={page['cursor']}")[1]
+        seen, pages = seen | {i["schedule_id"] for i in page["items"]}, pages + 1
+    assert status == 200 and seen == {f"digest:user:{i}" for i in range(7)} and pages > 1
+    status, html = client.request("/schedules?prefix=digest:")
+    assert status == 200 and html.count('href="/schedules/digest%3Auser%3A') == 7 and "0 8 * * *" in html
+
+    status, one = client.json("/api/schedules/digest:user:3")
+    assert status == 200 and one["task"] == "tasks.demo.add" and one["next_state"] == "scheduled"
+    assert one["paused"] is False and one["next_id"]
+    status, html = client.request("/schedules/digest:user:3")
+    assert status == 200 and 'id="pause"' in html and one["next_id"] in html
+
+    status, html = client.request("/schedules/digest:user:3/pause", {})
+    assert status == 200 and 'id="resume"' in html and ">paused<" in html
+    assert client.json("/api/schedules/digest:user:3")[1]["paused"] is True
+    assert store_of(app).get(one["next_id"]) is None  # its pending occurrence cancelled
+    status, resumed = client.json("/api/schedules/digest:user:3/resume", {})
+    assert status == 200 and resumed == {"schedule_id": "digest:user:3", "paused": False}
+    assert client.json("/api/schedules/digest:user:3")[1]["next_state"] == "scheduled"
+    status, ran = client.json("/api/schedules/digest:user:3/run-now", {})
+    assert status == 200 and store_of(app).get(ran["task_id"])["task"] == "tasks.demo.add"
+
+    html = client.request("/schedules?prefix=poll:")[1]
+    assert "<b>x</b>" not in html and "poll:&lt;b&gt;x&lt;/b&gt;" in html
+    assert client.json("/api/schedules/no-such")[1] == {"error": "no recurring schedule no-such", "status": 404}
+    assert client.json("/api/schedules/no-such/pause", {})[0] == 404
+    status, error = client.json("/api/schedules?after=garbage")
+    assert status == 400 and "not a cursor" in error["error"]
+    assert client.request("/schedules/digest:user:3/pause")[0] == 405  # an action is a POST only

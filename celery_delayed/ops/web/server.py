@@ -329,6 +329,32 @@ class DeadLetterAction(Base):
         self.done(data, "/dead-letters")
 
 
+class ScheduleList(Base):
+    async def get(self) -> None:
+        prefix = self.get_argument("prefix", "")
+        try:
+            data = await self.call(self.views.schedules, prefix, self.arg("after"), self.limit(50))
+        except ValueError as exc:  # a cursor no page gave
+            raise Problem(400, str(exc)) from None
+        self.answer("schedules.html", data)
+
+
+class Schedule(Base):
+    async def get(self, schedule_id: str) -> None:
+        info = await self.call(self.views.schedule, schedule_id)
+        if info is None:
+            raise Problem(404, f"no recurring schedule {schedule_id}")
+        self.answer("schedule.html", info)
+
+
+class ScheduleAction(Base):
+    async def post(self, schedule_id: str, action: str) -> None:
+        data = await self.call(self.views.schedule_action, schedule_id, action)
+        if data is None:
+            raise Problem(404, f"no recurring schedule {schedule_id}")
+        self.done(data, f"/schedules/{_quote(schedule_id)}")
+
+
 def make_app(views: Views, basic_auth: str | None = None, token: str | None = None,
              allowed_hosts: tuple[str, ...] = (), cookie_secret: str | None = None) -> tornado.web.Application:
     """The web view's routes; each page's path under ``/api`` answers the same as JSON.  Without
@@ -342,7 +368,8 @@ def make_app(views: Views, basic_auth: str | None = None, token: str | None = No
     init = {"views": views, "credentials": credentials, "hosts": hosts}
     routes = [(r"/", Overview), (r"/upcoming", Upcoming), (r"/tasks/([^/]+)", Task),
               (r"/tasks/([^/]+)/(cancel|reschedule|run-now)", TaskAction), (r"/bulk", Bulk),
-              (r"/queues/(pause|resume|rate)", QueueAction),
+              (r"/queues/(pause|resume|rate)", QueueAction), (r"/schedules", ScheduleList),
+              (r"/schedules/([^/]+)", Schedule), (r"/schedules/([^/]+)/(pause|resume|run-now)", ScheduleAction),
               (r"/jobs/(\w+)", JobPage), (r"/dead-letters", DeadLetterList),
               (r"/bulk/dead-letters/(requeue|purge)", DeadLettersAction), (r"/dead-letters/([^/]+)", DeadLetter),
               (r"/dead-letters/([^/]+)/(requeue|purge)", DeadLetterAction)]

@@ -23,6 +23,8 @@ from celery_delayed.kafka import fleet_warnings
 from celery_delayed.ops import browse
 from celery_delayed.ops.browse import Filter
 from celery_delayed.poller.leadership import leaders, make_etcd
+from celery_delayed.recurring.definitions import Definition, Definitions
+from celery_delayed.recurring.occurrences import occurrence_id
 from celery_delayed.settings import redact_url
 from celery_delayed.store.dlq import DeadLetterError, DeadLetters
 from celery_delayed.store.inspection import totals
@@ -59,6 +61,7 @@ class Views:
         self.app = app
         self.store = store_of(app)
         self.letters = DeadLetters(self.store)
+        self.definitions = Definitions(self.store)
         self.jobs = Jobs()
         # a poller's /metrics also reads the store and Kafka: scraped in the background, every few seconds
         self._dispatch = Refreshing(DispatchRate(metrics_urls).read, SCRAPE_EVERY) if metrics_urls else None
@@ -154,6 +157,36 @@ class Views:
 
     def run_now(self, task_id: str) -> dict[str, Any]:
         return {"task_id": task_id, "due_ms": browse.move(self.store, task_id, to_ms=self.store.now_ms())}
+
+    # -- recurring schedules ---------------------------------------------------
+    def schedules(self, prefix: str, after: str | None, limit: int) -> dict[str, Any]:
+        """A page of the recurring schedules whose id starts with ``prefix`` (in no order: a scan of
+        the store, see :meth:`.Definitions.page`), each as :meth:`schedule` shows it."""
+        page, cursor = self.definitions.page(prefix, after or "", limit)
+        return {"now_ms": self.store.now_ms(), "prefix": prefix, "limit": limit, "cursor": cursor,
+                "items": [self._schedule(definition) for definition in page]}
+
+    def schedule(self, schedule_id: str) -> dict[str, Any] | None:
+        """One schedule as ``delayed schedules show --json`` gives it, with the state of its pending
+        occurrence (scheduled, dispatched...) and of its last run, where it is kept; None if unknown."""
+        definition = self.definitions.get(schedule_id)
+        return None if definition is None else {**self._schedule(definition), "now_ms": self.store.now_ms()}
+
+    def schedule_action(self, schedule_id: str, action: str) -> dict[str, Any] | None:
+        """Pause, resume or run a schedule now (``delayed schedules pause|resume|run-now``); None if unknown."""
+        if action == "run-now":
+            task_id = self.definitions.run_now(schedule_id)
+            return None if task_id is None else {"schedule_id": schedule_id, "task_id": task_id}
+        done = self.definitions.pause(schedule_id) if action == "pause" else self.definitions.resume(schedule_id)
+        return None if done is None else {"schedule_id": schedule_id, "paused": done.paused}
+
+    def _schedule(self, definition: Definition) -> dict[str, Any]:
+        info = definition.describe()
+        pending = self.store.get(info["next_id"]) if info["next_id"] else None
+        info["next_state"] = pending["state"] if pending else None
+        last_id = None if info["last_ms"] is None else occurrence_id(definition.schedule_id, info["last_ms"])
+        info["last_id"], info["last_state"] = last_id, last_id and self.app.AsyncResult(last_id).state
+        return info
 
     # -- bulk ------------------------------------------------------------------
     def bulk(self, action: str, flt: Filter, shift_ms: int | None = None, to_ms: int | None = None,
@@ -255,6 +288,7 @@ class Refreshing:
         if time.monotonic() - self._at > self._every:
             self._refresh()
         if self._value is None:  # never computed: the reader sees why
+            assert self._error is not None
             raise self._error
         return self._value
 
@@ -334,7 +368,7 @@ class Jobs:
             job.used = True
             return True
 
-    def start(self, action: str, flt: Filter, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
+    def start(self, action: str, flt: Filter | LetterFilter, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
         job = Job(action, flt)
 
         def progress(examined: int, matched: int) -> None:
@@ -375,7 +409,7 @@ class DispatchRate:
         self._lock = threading.Lock()
 
     def read(self) -> dict[str, Any]:
-        dispatched, buckets, errors = 0.0, {}, []
+        dispatched, buckets, errors = 0.0, {}, []  # type: float, dict[float, float], list[str]
         for url in self.urls:
             try:
                 with urllib.request.urlopen(url, timeout=2) as reply:

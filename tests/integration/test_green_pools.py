@@ -52,7 +52,8 @@ def test_a_green_worker_runs_delayed_tasks_at_once_retries_them_and_parks_failur
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("pool", [*POOLS, "threads"])
 def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twice(overrides, processes, pool):
-    """(And a worker of the threads pool, whose tasks are not in child processes either.)  A warm stop while tasks run: they finish, and the next worker commits their records without
+    """(And on the threads pool, whose tasks are not in child processes either.)  A warm stop while
+    tasks run: they finish, and the next worker commits their records without
     running them again; then a kill -9 while tasks run: another worker runs them again once their
     run claims lapse (``delayed_run_lease``)."""
     overrides.update(delayed_topic_partitions=1)

@@ -445,10 +445,12 @@ class KafkaFeed:
         """Drop the records not handed to Celery yet (a stopped feed's: the next consumer reads
         them again), giving up the run claims taken for them."""
         with self._ready_lock:
-            dropped = [*self._ready, *self._held.values()]
+            held, self._held = list(self._held.values()), {}
+            dropped = [*self._ready, *held]
             self._ready.clear()
-            self._held.clear()
             self._scheduled = False
+        for _ in held:
+            self.c.qos.decrement_eventually()
         for arrival in dropped:
             if _runs(arrival):
                 self.claims.release(arrival.envelope.task_id)
@@ -456,7 +458,8 @@ class KafkaFeed:
     def _hold(self, arrival: Arrival) -> bool:
         """In a green worker (gevent, eventlet), keep a record sent ahead of its due time
         (``delayed_dispatch_lead``) here, not in Celery's ETA timer, and hand it over when due:
-        True when held.  See :meth:`_drain` for why."""
+        True when held.  See :meth:`_drain` for why.  Like Celery's timer, it raises the prefetch
+        limit for each task held (``qos``), so holding tasks never stops the feed reading."""
         if arrival.held or not _runs(arrival):
             return False
         arrival.held = True
@@ -464,6 +467,7 @@ class KafkaFeed:
             return False
         with self._ready_lock:
             self._held[id(arrival)] = arrival
+        self.c.qos.increment_eventually()
         self.c.timer.call_after(max(0.0, start_ms / 1000 - time.time()), self._unhold, (arrival,))
         return True
 
@@ -472,6 +476,7 @@ class KafkaFeed:
         with self._ready_lock:
             if self._held.pop(id(arrival), None) is None:
                 return
+        self.c.qos.decrement_eventually()
         self._hand_over([arrival])
 
     def _drain(self) -> None:

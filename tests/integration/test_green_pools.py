@@ -5,6 +5,7 @@ many at once, retried through the store, parked when they fail for good; a warm 
 and runs nothing twice; a killed worker's tasks run again on another."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import uuid
@@ -91,3 +92,25 @@ def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processe
     wait_for(lambda: "consuming Kafka topics" in processes.log(worker), 60, "the worker to create its topic and start")
     processes.poller()
     assert due_in(app, "tasks.demo.add", (2, 3)).get(timeout=60) == 5
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_reads_every_task_sent_ahead_while_it_holds_them(overrides, processes, pool):
+    """A green worker holds a task sent ahead of its due time (``delayed_dispatch_lead``) in its feed,
+    not in Celery's timer; like Celery's timer, it raises the prefetch limit for each task it holds,
+    or holding four (``-c 1`` x Celery's prefetch multiplier) would stop it reading the rest until
+    they were due: 20 tasks due at once are all read well ahead."""
+    overrides.update(delayed_dispatch_lead=3.0)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    processes.worker("w1", "--pool", pool, "-c", "1")
+    eta = datetime.now(timezone.utc) + timedelta(seconds=8)
+    due_ms = int(eta.timestamp() * 1000)
+    results = [app.tasks["tasks.demo.fire"].apply_async((run, due_ms), eta=eta) for _ in range(20)]
+    for x in results:
+        x.get(timeout=90)
+    hops = [json.loads(h) for h in r.lrange(f"demo:{run}:hops", 0, -1)]
+    ahead = sorted(h["due"] - h["read"] for h in hops)
+    assert len(hops) == 20 and ahead[0] >= 1000, f"ms each task was read before its due time: {ahead}"

@@ -233,12 +233,17 @@ class Poller:
         """Whether a claimed copy with a version-5 id goes to Kafka: a recurring schedule's occurrence has
         its successor written first (:meth:`.Definitions.advance`), and one not to run (stale, missed,
         overlapping) is acked unsent.  When the successor cannot be written, the copy stays in flight
-        and is claimed again after the visibility timeout."""
+        and is claimed again after the visibility timeout; when its schedule cannot be read (a corrupt
+        definition or occurrence), the copy is dead-lettered: only it, never the poller, stops."""
         try:
             advance = self.recurring.advance(data, claim.now_ms)
         except STORE_ERRORS as exc:
             logger.warning("task %s: cannot write its recurring schedule's next occurrence (%s): due again after "
                            "the visibility timeout", task_id, exc)
+            return False
+        except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
+            self.delivery.dead_letter(partition, task_id, claim.stamp, data,
+                                      f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}")
             return False
         self.stats.add("occurrences_fired", advance.fired)
         self.stats.add("occurrences_missed", advance.missed)

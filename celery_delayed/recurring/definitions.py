@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,10 +90,25 @@ class Definition:
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
-        fields = json.loads(data)
-        return cls(schedule_id, fields["rule"], base64.b64decode(fields["template"]), fields["origin"],
-                   fields["version"], fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
-                   fields.get("last_ms"))
+        """The stored definition, its rule, options and template read through: :class:`UnreadableDefinition`
+        when any of them cannot be (corrupt JSON, a field missing or of another type)."""
+        try:
+            fields = json.loads(data)
+            held = cls(schedule_id, fields["rule"], base64.b64decode(fields["template"], validate=True),
+                       fields["origin"], fields["version"], fields["pending_ms"], fields.get("options", {}),
+                       fields.get("paused", False), fields.get("last_ms"))
+            rule_from_data(held.rule)
+            Options.of(held.options)
+            Envelope.decode(held.template)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnreadableDefinition(f"recurring schedule {schedule_id!r} is unreadable in the store "
+                                       f"({type(exc).__name__}: {exc})") from None
+        return held
+
+
+class UnreadableDefinition(ValueError):
+    """A stored definition that cannot be read: its occurrence is dead-lettered by the poller, lists
+    leave it out (logged), and only :meth:`Definitions.remove` changes it."""
 
 
 @dataclass(frozen=True)
@@ -122,16 +138,16 @@ class Definitions:
         self.grace_ms = grace_ms(store.settings)
 
     def get(self, schedule_id: str) -> Definition | None:
+        """The definition of ``schedule_id`` (None: none); :class:`UnreadableDefinition` if it is corrupt."""
         data = self.store.redis.hget(self._key(schedule_id), schedule_id)
         return None if data is None else Definition.decode(schedule_id, data)
 
     def all(self) -> list[Definition]:
-        """Every definition, partition by partition."""
+        """Every readable definition, partition by partition (each unreadable one logged)."""
         pipe = self.store.redis.pipeline(transaction=False)
         for partition in range(self.store.settings.partitions):
             pipe.hgetall(self.store.keys.recurring(partition))
-        return [Definition.decode(schedule_id.decode(), data)
-                for held in self.store.execute(pipe) for schedule_id, data in held.items()]
+        return [definition for held in self.store.execute(pipe) for definition in _readable(held)]
 
     def page(self, prefix: str = "", cursor: str = "", count: int = PAGE) -> tuple[list[Definition], str]:
         """The definitions whose id starts with ``prefix``, a page at a time (``HSCAN``, partition by
@@ -145,7 +161,7 @@ class Definitions:
         p, at = int(partition), int(position)
         while p < self.store.settings.partitions and len(found) < count:
             at, held = self.store.redis.hscan(self.store.keys.recurring(p), at, match=pattern, count=count)
-            found.extend(Definition.decode(schedule_id.decode(), data) for schedule_id, data in held.items())
+            found.extend(_readable(held))
             if at == 0:
                 p += 1
         return found, "" if p >= self.store.settings.partitions else f"{p}:{at}"
@@ -177,12 +193,18 @@ class Definitions:
         return new
 
     def remove(self, schedule_id: str) -> bool:
-        """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale)."""
-        while (held := self.get(schedule_id)) is not None:
-            if self._compare_and_set(schedule_id, held.version, None):
-                self._cancel_replaced(held, None)
-                logger.info("recurring schedule %s removed", schedule_id)
-                return True
+        """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale).  An
+        unreadable one is deleted as it is (no writer can change it: their compare-and-set cannot read
+        it either); its occurrence is then dropped as stale."""
+        try:
+            while (held := self.get(schedule_id)) is not None:
+                if self._compare_and_set(schedule_id, held.version, None):
+                    self._cancel_replaced(held, None)
+                    logger.info("recurring schedule %s removed", schedule_id)
+                    return True
+        except UnreadableDefinition as exc:
+            logger.warning("%s: removed as it is", exc)
+            return bool(self.store.redis.hdel(self._key(schedule_id), schedule_id))
         return False
 
     def pause(self, schedule_id: str) -> Definition | None:
@@ -325,3 +347,13 @@ class Definitions:
 
     def _key(self, schedule_id: str) -> str:
         return self.store.keys.recurring(self.store.partition(schedule_id))
+
+
+def _readable(held: dict[bytes, bytes]) -> Iterator[Definition]:
+    """The definitions of ``held`` (schedule id -> stored JSON) that can be read; each other one is
+    logged in one line and left as it is (``delayed schedules remove`` deletes it)."""
+    for schedule_id, data in held.items():
+        try:
+            yield Definition.decode(schedule_id.decode(), data)
+        except UnreadableDefinition as exc:
+            logger.error("%s: left out", exc)

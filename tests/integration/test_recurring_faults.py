@@ -1,0 +1,52 @@
+"""Recurring schedules against what an operator or a fault may leave, on real servers: a definition
+corrupted in Redis, ``beat_schedule`` entries that cannot run, a resume killed half-way, a bad cursor.
+Each stops only what it concerns, in one line: never a poller."""
+from __future__ import annotations
+
+from celery_delayed import Schedules, store_of
+from celery_delayed.store.dlq import DeadLetters
+from tasks import create_app
+
+from .support import wait_for
+from .test_cli import celery
+from .test_recurring import Ticks
+from .test_recurring_runtime import PERIOD_MS, runtime
+
+
+def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides, processes):
+    """One definition corrupted before the poller starts (truncated JSON), one while it runs (a JSON
+    list): the poller starts and lives on, each one's occurrence is dead-lettered naming it, the other
+    schedule runs on, the list leaves them out, and remove deletes them."""
+    run = overrides["delayed_key_prefix"]
+    app = create_app(**runtime(overrides))
+    schedules, store = Schedules(app), store_of(app)
+    for name in ("early", "late", "fine"):
+        schedules.upsert(name, app.signature("tasks.demo.tick", args=(f"{run}-{name}",)), PERIOD_MS / 1000)
+
+    def corrupt(name: str, value: str) -> None:
+        store.redis.hset(store.keys.recurring(store.partition(name)), name, value)
+
+    def parked(name: str) -> list[str]:
+        return [letter.task_id for letter in DeadLetters(store).list()
+                if f"recurring schedule '{name}' is unreadable" in letter.reason]
+
+    corrupt("early", '{"rule":{"every_ms":1000')
+    ticks = Ticks(store.settings, f"{run}-fine")
+    processes.worker()
+    poller = processes.poller()
+    wait_for(lambda: parked("early") and len(ticks.counts()) >= 2, 60, "early parked, two runs of fine")
+    corrupt("late", "[1, 2]")
+    wait_for(lambda: parked("late"), 30, lambda: f"late parked; poller log:\n{processes.log(poller)[-3000:]}")
+    runs = len(ticks.counts())
+    wait_for(lambda: len(ticks.counts()) >= runs + 2, 30, "fine to run on")
+    processes.check_alive()
+    assert len(parked("early")) == 1 and len(parked("late")) == 1  # the chain stopped at its occurrence
+
+    listed = celery(overrides, "delayed", "schedules", "list")
+    assert listed.returncode == 0 and listed.stdout.startswith("fine  tasks.demo.tick"), listed
+    assert "recurring schedule 'early' is unreadable in the store (JSONDecodeError" in listed.stderr
+    shown = celery(overrides, "delayed", "schedules", "show", "late")
+    assert shown.returncode == 1 and shown.stderr.startswith("Error: recurring schedule 'late' is unreadable"), shown
+    for name in ("early", "late"):
+        assert celery(overrides, "delayed", "schedules", "remove", name).returncode == 0
+    assert [d.schedule_id for d in schedules.all()] == ["fine"]

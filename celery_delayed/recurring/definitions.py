@@ -35,6 +35,7 @@ from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSIO
 from celery_delayed.recurring.policy import Options, grace_ms
 from celery_delayed.recurring.rules import Rule, rule_data, rule_from_data
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.layout import MAX_DUE_MS
 from celery_delayed.store.outcomes import Change
 
 logger = inert.logger(__name__)
@@ -183,6 +184,8 @@ class Definitions:
             first = options.first(rule, self.store.now_ms())
             if first is None:
                 raise ValueError(f"recurring schedule {schedule_id} ends before its first time")
+            if options.due_ms(schedule_id, first) >= MAX_DUE_MS:
+                raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
             new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
                              held is not None and held.paused)
             if self._compare_and_set(schedule_id, held.version if held else 0, new):
@@ -250,11 +253,18 @@ class Definitions:
     def sync(self, entries: dict[str, tuple[bytes, Rule, Options]], origin: str = BEAT) -> None:
         """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): put
         each, remove the others of that origin, and write every other schedule's pending occurrence again
-        (harmless: derived ids), which completes a put that stopped after its compare-and-set."""
+        (harmless: derived ids), which completes a put that stopped after its compare-and-set.  An entry
+        that cannot be put (it ended, starts beyond the store's range) is logged and removed as one no
+        longer configured, one whose stored copy is unreadable logged and left: the others are synced."""
+        synced = set()
         for schedule_id, (template, rule, options) in entries.items():
-            self.put(schedule_id, template, rule, origin, options)
+            try:
+                self.put(schedule_id, template, rule, origin, options)
+                synced.add(schedule_id)
+            except ValueError as exc:
+                logger.error("%s: not run", exc)
         for held in self.all():
-            if held.schedule_id in entries:
+            if held.schedule_id in synced:
                 continue
             if held.origin == origin:
                 self.remove(held.schedule_id)

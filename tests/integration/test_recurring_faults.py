@@ -3,7 +3,10 @@ corrupted in Redis, ``beat_schedule`` entries that cannot run, a resume killed h
 Each stops only what it concerns, in one line: never a poller."""
 from __future__ import annotations
 
+import pytest
+
 from celery_delayed import Schedules, store_of
+from celery_delayed.client.schedules import beat_entries
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
@@ -50,3 +53,40 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
     for name in ("early", "late"):
         assert celery(overrides, "delayed", "schedules", "remove", name).returncode == 0
     assert [d.schedule_id for d in schedules.all()] == ["fine"]
+
+
+def test_beat_schedule_entries_that_cannot_run_are_left_out_and_the_poller_starts(overrides, processes):
+    """An entry whose end has passed (a poller restarted after it), one starting after 2106, one of a
+    jitter beyond it, one whose args are no list: each logged in one line; the poller starts and runs
+    the good entry, and the ended one's stored chain is removed."""
+    run = overrides["delayed_key_prefix"]
+    entry = {"task": "tasks.demo.tick", "schedule": PERIOD_MS / 1000, "args": (run,)}
+    app = create_app(**runtime(overrides), beat_schedule={"ended": entry})
+    schedules = Schedules(app)
+    schedules.definitions.sync(beat_entries(app))  # as a poller started while it ran did
+    assert schedules.get("beat:ended") is not None
+    beat = {"ended": {**entry, "end": 1.0}, "far": {**entry, "start": 7.3e9}, "jitter": {**entry, "jitter": 1e300},
+            "args": {**entry, "args": 5}, "good": entry}
+    ticks = Ticks(store_of(app).settings, run)
+    processes.worker()
+    poller = processes.poller(overrides={**overrides, "beat_schedule": beat})
+    wait_for(lambda: ticks.counts(), 60, lambda: f"a run of good; poller log:\n{processes.log(poller)[-3000:]}")
+    processes.check_alive()
+    log = processes.log(poller)
+    assert "recurring schedule beat:ended ends before its first time: not run" in log
+    assert "beat_schedule entry 'far' is not run: ValueError: a schedule's start and end must be between" in log
+    assert "beat_schedule entry 'jitter' is not run: ValueError: jitter and catch_up must be" in log
+    assert "beat_schedule entry 'args' is not run: TypeError" in log
+    assert sorted(d.schedule_id for d in schedules.all()) == ["beat:good"]
+
+
+def test_a_put_beyond_the_store_s_range_writes_nothing(overrides):
+    """A start within the store's range whose first occurrence's jitter takes it past 2106: refused
+    before anything is written, not a definition without its occurrence."""
+    app = create_app(**overrides)
+    schedules = Schedules(app)
+    with pytest.raises(ValueError, match="2106") as refused:
+        schedules.upsert("edge", app.signature("tasks.demo.add", args=(1, 2)), 60, start=2**32 - 61,
+                         jitter=3600)
+    assert schedules.get("edge") is None, f"written, then refused: {refused.value}"
+    assert str(refused.value) == "recurring schedule edge starts after 2106, beyond what the store holds"

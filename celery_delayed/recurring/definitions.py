@@ -235,6 +235,8 @@ class Definitions:
                 self._write_pending(resumed)
                 logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
                 return resumed
+        if held is not None:
+            self._write_pending(held)  # a resume that stopped after its compare-and-set, completed
         return held
 
     def run_now(self, schedule_id: str) -> str | None:

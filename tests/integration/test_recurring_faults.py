@@ -3,6 +3,10 @@ corrupted in Redis, ``beat_schedule`` entries that cannot run, a resume killed h
 Each stops only what it concerns, in one line: never a poller."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from celery_delayed import Schedules, store_of
@@ -10,7 +14,7 @@ from celery_delayed.client.schedules import beat_entries
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
-from .support import wait_for
+from .support import ROOT, environment, wait_for
 from .test_cli import celery
 from .test_recurring import Ticks
 from .test_recurring_runtime import PERIOD_MS, runtime
@@ -90,3 +94,31 @@ def test_a_put_beyond_the_store_s_range_writes_nothing(overrides):
                          jitter=3600)
     assert schedules.get("edge") is None, f"written, then refused: {refused.value}"
     assert str(refused.value) == "recurring schedule edge starts after 2106, beyond what the store holds"
+
+
+#: Resumes schedule ``r`` of the app its environment configures, killed (-9) before it writes the
+#: pending occurrence: after its compare-and-set.
+KILLED_RESUME = textwrap.dedent("""
+    import os, signal
+    from celery_delayed import Schedules
+    from celery_delayed.recurring.definitions import Definitions
+    from tasks import create_app
+    Definitions._write_pending = lambda self, definition: os.kill(os.getpid(), signal.SIGKILL)
+    Schedules(create_app()).resume("r")
+""")
+
+
+def test_resume_again_completes_a_resume_killed_after_its_compare_and_set(overrides):
+    """A ``delayed schedules resume`` killed between writing the definition and its pending occurrence
+    left a schedule neither paused nor running; running it again writes the occurrence."""
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    schedules.upsert("r", app.signature("tasks.demo.add", args=(1, 2)), 60)
+    schedules.pause("r")
+    killed = subprocess.run([sys.executable, "-c", KILLED_RESUME], cwd=ROOT, env=environment(overrides), timeout=60)
+    assert killed.returncode == -9
+    held = schedules.get("r")
+    assert not held.paused and store.message(held.pending_id) is None
+    done = celery(overrides, "delayed", "schedules", "resume", "r")
+    assert done.returncode == 0 and "r: resumed" in done.stdout, done
+    assert store.message(held.pending_id) is not None

@@ -155,7 +155,8 @@ class Definitions:
         partition: never all at once): one page from ``cursor`` ('' first), and the cursor of the next
         ('' after the last).  A page holds about ``count``, in no order; one may be empty."""
         partition, _, position = (cursor or "0:0").partition(":")
-        if not (partition.isdigit() and position.isdigit()):
+        if not (partition.isascii() and partition.isdigit() and position.isascii() and position.isdigit()
+                and int(position) < 2**64):  # HSCAN's cursors are unsigned 64-bit
             raise ValueError(f"not a cursor of a list of recurring schedules: {cursor!r}")
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
         found: list[Definition] = []

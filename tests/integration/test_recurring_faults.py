@@ -122,3 +122,10 @@ def test_resume_again_completes_a_resume_killed_after_its_compare_and_set(overri
     done = celery(overrides, "delayed", "schedules", "resume", "r")
     assert done.returncode == 0 and "r: resumed" in done.stdout, done
     assert store.message(held.pending_id) is not None
+
+
+def test_a_cursor_beyond_hscan_s_range_is_one_line(overrides):
+    for cursor in ("0:99999999999999999999999", "\u00b2:0"):
+        bad = celery(overrides, "delayed", "schedules", "list", "--after", cursor)
+        assert bad.returncode == 1 and bad.stderr.strip() == f"Error: not a cursor of a list of recurring schedules: " \
+            f"{cursor!r}", bad

@@ -161,6 +161,30 @@ def test_a_failure_part_way_stores_the_ones_before_and_the_rest_can_be_sent_once
     assert scheduled_count(app) == 9 and results[0].id == first[0].id
 
 
+def test_a_generator_that_raises_part_way_has_what_it_gave_stored_and_counted(overrides, monkeypatch):
+    """A source of signatures that fails (a database cursor, say) after 6, in the second chunk of 4:
+    the 6 are stored and ``ApplyManyError`` says so, with the source's error as its cause.  The
+    signatures read in the chunk it broke were dropped unsent, and its own error said nothing of
+    what was scheduled."""
+    monkeypatch.setattr(bulk, "CHUNK", 4)
+    app = create_app(**overrides)
+    add = app.tasks["tasks.demo.add"]
+
+    def source() -> Iterator:
+        for i in range(10):
+            if i == 6:
+                raise ConnectionError("the source went away")
+            yield add.s(i, i)
+
+    for results in (True, False):
+        with pytest.raises(ApplyManyError, match="stopped at signature 7: reading the signatures raised "
+                                                 "ConnectionError: the source went away") as failed:
+            apply_many(source(), countdown=600, app=app, results=results)
+        assert failed.value.scheduled == 6 and list(failed.value.unsent) == []
+        assert isinstance(failed.value.__cause__, ConnectionError)
+    assert scheduled_count(app) == 12
+
+
 def test_the_same_signature_twice_is_two_tasks_as_with_apply_async(overrides):
     app = create_app(**overrides)
     signature = app.tasks["tasks.demo.add"].s(1, 1)

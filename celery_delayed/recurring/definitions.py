@@ -98,6 +98,10 @@ class Definition:
             held = cls(schedule_id, fields["rule"], base64.b64decode(fields["template"], validate=True),
                        fields["origin"], fields["version"], fields["pending_ms"], fields.get("options", {}),
                        fields.get("paused", False), fields.get("last_ms"))
+            if not (type(held.version) is int and isinstance(held.origin, str) and isinstance(held.paused, bool)
+                    and all(ms is None or (type(ms) is int and 0 <= ms < MAX_DUE_MS)
+                            for ms in (held.pending_ms, held.last_ms))):
+                raise TypeError("version, origin, paused, pending_ms or last_ms of another type or range")
             rule_from_data(held.rule)
             Options.of(held.options)
             Envelope.decode(held.template)

@@ -3,6 +3,7 @@ corrupted in Redis, ``beat_schedule`` entries that cannot run, a resume killed h
 Each stops only what it concerns, in one line: never a poller."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -21,13 +22,14 @@ from .test_recurring_runtime import PERIOD_MS, runtime
 
 
 def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides, processes):
-    """One definition corrupted before the poller starts (truncated JSON), one while it runs (a JSON
-    list): the poller starts and lives on, each one's occurrence is dead-lettered naming it, the other
-    schedule runs on, the list leaves them out, and remove deletes them."""
+    """Definitions corrupted before the poller starts (truncated JSON; a due time that is no number),
+    one while it runs (a JSON list): the poller starts and lives on, each one's occurrence is
+    dead-lettered naming it, the other schedule runs on, the list leaves them out, and remove deletes
+    them."""
     run = overrides["delayed_key_prefix"]
     app = create_app(**runtime(overrides))
     schedules, store = Schedules(app), store_of(app)
-    for name in ("early", "late", "fine"):
+    for name in ("early", "typed", "late", "fine"):
         schedules.upsert(name, app.signature("tasks.demo.tick", args=(f"{run}-{name}",)), PERIOD_MS / 1000)
 
     def corrupt(name: str, value: str) -> None:
@@ -38,10 +40,13 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
                 if f"recurring schedule '{name}' is unreadable" in letter.reason]
 
     corrupt("early", '{"rule":{"every_ms":1000')
+    typed = json.loads(store.redis.hget(store.keys.recurring(store.partition("typed")), "typed"))
+    corrupt("typed", json.dumps({**typed, "pending_ms": "soon"}))
     ticks = Ticks(store.settings, f"{run}-fine")
     processes.worker()
     poller = processes.poller()
-    wait_for(lambda: parked("early") and len(ticks.counts()) >= 2, 60, "early parked, two runs of fine")
+    wait_for(lambda: parked("early") and parked("typed") and len(ticks.counts()) >= 2, 60,
+             lambda: f"early and typed parked, two runs of fine; poller log:\n{processes.log(poller)[-3000:]}")
     corrupt("late", "[1, 2]")
     wait_for(lambda: parked("late"), 30, lambda: f"late parked; poller log:\n{processes.log(poller)[-3000:]}")
     runs = len(ticks.counts())
@@ -54,7 +59,7 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
     assert "recurring schedule 'early' is unreadable in the store (JSONDecodeError" in listed.stderr
     shown = celery(overrides, "delayed", "schedules", "show", "late")
     assert shown.returncode == 1 and shown.stderr.startswith("Error: recurring schedule 'late' is unreadable"), shown
-    for name in ("early", "late"):
+    for name in ("early", "typed", "late"):
         assert celery(overrides, "delayed", "schedules", "remove", name).returncode == 0
     assert [d.schedule_id for d in schedules.all()] == ["fine"]
 

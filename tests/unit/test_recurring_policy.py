@@ -101,6 +101,7 @@ def test_a_definition_stores_its_options_and_states_only_when_not_defaults():
     ended = replace(plain, pending_ms=None, options={"misfire": "once"}, paused=True, last_ms=4000)
     assert Definition.decode("s", ended.encode().encode()) == ended and ended.pending_id is None
     for corrupt in (b'{"rule":', b"[1, 2]", plain.encode().replace("template", "templat").encode(),
-                    json.dumps({**json.loads(plain.encode()), "options": {"misfire": "never"}}).encode()):
+                    json.dumps({**json.loads(plain.encode()), "options": {"misfire": "never"}}).encode(),
+                    json.dumps({**json.loads(plain.encode()), "pending_ms": "abc"}).encode()):
         with pytest.raises(UnreadableDefinition, match="recurring schedule 's' is unreadable in the store"):
             Definition.decode("s", corrupt)

@@ -12,6 +12,8 @@ import pytest
 
 from celery_delayed import Schedules, store_of
 from celery_delayed.client.schedules import beat_entries
+from celery_delayed.envelope import Envelope
+from celery_delayed.recurring.occurrences import NOMINAL_HEADER, occurrence
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
@@ -62,6 +64,23 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
     for name in ("early", "typed", "late"):
         assert celery(overrides, "delayed", "schedules", "remove", name).returncode == 0
     assert [d.schedule_id for d in schedules.all()] == ["fine"]
+
+
+def test_a_corrupt_occurrence_is_dead_lettered_and_no_poller_stops(overrides, processes):
+    """An occurrence whose stored message names its schedule and version but holds a nominal time that is
+    no number (written over the one the schedule wrote): parked, not a poller's crash (a TypeError)."""
+    app = create_app(**runtime(overrides))
+    schedules, store = Schedules(app), store_of(app)
+    held = schedules.upsert("hourly", app.signature("tasks.demo.add", args=(1, 2)), 3600)
+    task_id, message = occurrence(Envelope.decode(held.template), "hourly", held.version, held.pending_ms, 10**9)
+    forged = Envelope.decode(message)
+    forged.headers[NOMINAL_HEADER] = "soon"
+    store.schedule(task_id, store.now_ms(), forged.encode(), attempt=held.version + 1)
+    poller = processes.poller()
+    letter = wait_for(lambda: DeadLetters(store).get(task_id), 30,
+                      lambda: f"the occurrence parked; poller log:\n{processes.log(poller)[-3000:]}")
+    assert letter.reason.startswith("its recurring schedule cannot advance: TypeError"), letter.reason
+    processes.check_alive()
 
 
 def test_beat_schedule_entries_that_cannot_run_are_left_out_and_the_poller_starts(overrides, processes):

@@ -165,13 +165,18 @@ class Poller:
         return False
 
     def _sync_beat_schedule(self) -> bool:
-        """Sync ``beat_schedule`` into the store, waiting for the store while it fails; False if stopped meanwhile."""
+        """Sync ``beat_schedule`` into the store, waiting for the store while it fails; False if stopped
+        meanwhile.  A definitions key of another type (written over by something else: waiting does not
+        mend it) is logged, and the poller dispatches without the sync rather than not at all."""
         while self._beat_schedule is not None and not self._stopping.is_set():
             try:
                 self.recurring.sync(self._beat_schedule, BEAT)
                 logger.info("beat_schedule synced: %d recurring schedule(s)", len(self._beat_schedule))
                 return True
             except STORE_ERRORS as exc:
+                if "WRONGTYPE" in str(exc):
+                    logger.error("cannot sync beat_schedule to the delayed store (%s): dispatching without it", exc)
+                    return True
                 logger.warning("cannot sync beat_schedule to the delayed store (%s): trying again", exc)
                 self._stopping.wait(1.0)
         return not self._stopping.is_set()

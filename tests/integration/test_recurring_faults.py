@@ -83,6 +83,20 @@ def test_a_corrupt_occurrence_is_dead_lettered_and_no_poller_stops(overrides, pr
     processes.check_alive()
 
 
+def test_a_definitions_key_of_another_type_does_not_keep_the_poller_from_dispatching(overrides, processes):
+    """A partition's definitions key written over by a string (WRONGTYPE): the poller's start tried
+    the beat_schedule sync again every second, for ever, and dispatched nothing at all."""
+    app = create_app(**runtime(overrides))
+    store = store_of(app)
+    store.redis.set(store.keys.recurring(1), "not a hash")
+    result = app.tasks["tasks.demo.add"].apply_async((1, 2), countdown=3)
+    assert store.get(result.id) is not None  # in the store: a poller must dispatch it
+    processes.worker()
+    poller = processes.poller()
+    assert result.get(timeout=60) == 3, processes.log(poller)[-3000:]
+    assert "WRONGTYPE" in processes.log(poller) and "dispatching without it" in processes.log(poller)
+
+
 def test_beat_schedule_entries_that_cannot_run_are_left_out_and_the_poller_starts(overrides, processes):
     """An entry whose end has passed (a poller restarted after it), one starting after 2106, one of a
     jitter beyond it, one whose args are no list: each logged in one line; the poller starts and runs

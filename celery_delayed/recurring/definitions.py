@@ -158,6 +158,8 @@ class Definitions:
         """The definitions whose id starts with ``prefix``, a page at a time (``HSCAN``, partition by
         partition: never all at once): one page from ``cursor`` ('' first), and the cursor of the next
         ('' after the last).  A page holds about ``count``, in no order; one may be empty."""
+        if count < 1:  # a page of none would never move the cursor on
+            raise ValueError(f"a page of recurring schedules holds 1 or more, got {count}")
         partition, _, position = (cursor or "0:0").partition(":")
         if not (partition.isascii() and partition.isdigit() and position.isascii() and position.isdigit()
                 and int(position) < 2**64):  # HSCAN's cursors are unsigned 64-bit

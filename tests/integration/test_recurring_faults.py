@@ -167,3 +167,13 @@ def test_a_cursor_beyond_hscan_s_range_is_one_line(overrides):
         bad = celery(overrides, "delayed", "schedules", "list", "--after", cursor)
         assert bad.returncode == 1 and bad.stderr.strip() == f"Error: not a cursor of a list of recurring schedules: " \
             f"{cursor!r}", bad
+
+
+def test_a_page_of_no_schedules_is_refused_not_a_cursor_that_never_moves(overrides):
+    """``Schedules.list(count=0)`` returned no schedule and the first page's cursor again: a client
+    paging until the cursor is '' looped for ever."""
+    app = create_app(**overrides)
+    schedules = Schedules(app)
+    schedules.upsert("one", app.signature("tasks.demo.add", args=(1, 2)), 3600)
+    with pytest.raises(ValueError, match="a page of recurring schedules holds 1 or more, got 0"):
+        schedules.list(count=0)

@@ -116,8 +116,9 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     The signatures given are not changed: each is sent as a copy with its task id.
     Tasks of a shape already sent are made from its message (:mod:`.template`);
     ``per_task=True`` sends every one through ``apply_async`` instead.
-    Raises :class:`ApplyManyError` when a signature cannot be sent or a store
-    write fails for good; the signatures before it are scheduled, the others not.
+    Raises :class:`ApplyManyError` when a signature cannot be sent, a store
+    write fails for good, or ``signatures`` raises as it is read (what it gave
+    before is sent first); the signatures before it are scheduled, the others not.
     """
     if eta is not None and countdown is not None:
         raise TypeError("apply_many takes eta or countdown, not both")
@@ -130,8 +131,12 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     count = 0
     rest = iter(signatures)
     writing: tuple[_Chunk, Future] | None = None
+    broken: Exception | None = None  # what reading ``signatures`` raised
     with ThreadPoolExecutor(1, thread_name_prefix="delayed-apply-many") as writer:  # waits for a write in flight
-        while chunk := list(itertools.islice(rest, CHUNK)):
+        while not broken:
+            chunk, broken = _read(rest, CHUNK)
+            if not chunk:
+                break
             built = _Chunk(app, shapes, chunk, when, writing and writing[1])
             if writing:  # the chunk before is stored first
                 count = _settle(*writing, done if results else None, count, progress,
@@ -141,7 +146,21 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
                 break
         if writing:
             count = _settle(*writing, done if results else None, count, progress, rest)
+    if broken:
+        raise ApplyManyError(f"stopped at signature {count + 1}: reading the signatures raised "
+                             f"{type(broken).__name__}: {broken}", scheduled=count, unsent=iter(())) from broken
     return done if results else count
+
+
+def _read(signatures: Iterator[Signature], size: int) -> tuple[list[Signature], Exception | None]:
+    """Up to ``size`` of ``signatures``, and what reading them raised (None): those read before it are
+    sent, not lost with the error."""
+    chunk: list[Signature] = []
+    try:
+        chunk.extend(itertools.islice(signatures, size))
+    except Exception as exc:
+        return chunk, exc
+    return chunk, None
 
 
 class _Chunk:

@@ -8,6 +8,7 @@ keeps it and derives each occurrence from it.
 from __future__ import annotations
 
 import builtins
+import math
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -109,14 +110,14 @@ def _instant_ms(value: Any, tz: str) -> int | None:
         return None
     if isinstance(value, datetime):
         return int((value if value.tzinfo else value.replace(tzinfo=ZoneInfo(tz))).timestamp() * 1000)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return int(value * 1000)
     raise ValueError(f"start and end must be datetimes or seconds since the epoch, got {value!r}")
 
 
 def _duration_ms(value: Any, name: str) -> int:
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
         raise ValueError(f"{name} must be seconds >= 0 or a timedelta, got {value!r}")
     return round(seconds * 1000)
 
@@ -170,6 +171,6 @@ def beat_entries(app: Celery) -> dict[str, tuple[bytes, Rule, Options]]:
                                       options=sent)
             entries[BEAT_PREFIX + name] = (template_of(app, signature), rule_of(entry["schedule"], zone_of(app)),
                                            options_of(own, zone_of(app)))
-        except (KeyError, ValueError) as exc:
-            logger.error("beat_schedule entry %r is not run: %s", name, exc)
+        except Exception as exc:  # whatever one entry holds (options=None, args=5...), only it is left out
+            logger.error("beat_schedule entry %r is not run: %s: %s", name, type(exc).__name__, exc)
     return entries

@@ -80,7 +80,7 @@ class Delivery:
         try:
             topic = self._checked_topic(queue_of(data))
         except Exception as exc:  # whatever one message does (RecursionError...), only it is parked
-            self._dead_letter(partition, task_id, stamp, data,
+            self.dead_letter(partition, task_id, stamp, data,
                               f"undecodable stored message: {type(exc).__name__}: {exc}")
             return 0
         if topic not in self._topics:
@@ -107,7 +107,7 @@ class Delivery:
             except KafkaException as exc:
                 err = exc.args[0]
                 if classify(err) is Verdict.PERMANENT:
-                    self._dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {err}")
+                    self.dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {err}")
                 else:  # reported as a failed delivery: counted as pending until _settle_reports
                     self._pending += 1
                     self._reports.append((partition, task_id, stamp, due_ms, err))
@@ -152,7 +152,7 @@ class Delivery:
             # culprit.  Sent alone and refused again, it is the culprit: park it.
             self._pending -= 1
             if (task_id, stamp) == self._alone:
-                self._dead_letter(partition, task_id, stamp, msg.value(), f"Kafka refused the message: {err}")
+                self.dead_letter(partition, task_id, stamp, msg.value(), f"Kafka refused the message: {err}")
             else:
                 self._suspects.append((partition, task_id, stamp, due_ms, msg.topic(), msg.value()))
             return
@@ -266,7 +266,7 @@ class Delivery:
         self._on_nacked(partition)
         self.stats.add("delivery_failed", failed)
 
-    def _dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
+    def dead_letter(self, partition: int, task_id: str, stamp: int, data: bytes, reason: str) -> None:
         logger.error("task %s: %s; moved to the dead-letter queue", task_id, reason)
         try:
             self.dead_letters.park(DeadLetter(task_id=task_id, reason=reason, source="poller", message=data),

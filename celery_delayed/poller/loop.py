@@ -165,13 +165,18 @@ class Poller:
         return False
 
     def _sync_beat_schedule(self) -> bool:
-        """Sync ``beat_schedule`` into the store, waiting for the store while it fails; False if stopped meanwhile."""
+        """Sync ``beat_schedule`` into the store, waiting for the store while it fails; False if stopped
+        meanwhile.  A definitions key of another type (written over by something else: waiting does not
+        mend it) is logged, and the poller dispatches without the sync rather than not at all."""
         while self._beat_schedule is not None and not self._stopping.is_set():
             try:
                 self.recurring.sync(self._beat_schedule, BEAT)
                 logger.info("beat_schedule synced: %d recurring schedule(s)", len(self._beat_schedule))
                 return True
             except STORE_ERRORS as exc:
+                if "WRONGTYPE" in str(exc):
+                    logger.error("cannot sync beat_schedule to the delayed store (%s): dispatching without it", exc)
+                    return True
                 logger.warning("cannot sync beat_schedule to the delayed store (%s): trying again", exc)
                 self._stopping.wait(1.0)
         return not self._stopping.is_set()
@@ -233,12 +238,17 @@ class Poller:
         """Whether a claimed copy with a version-5 id goes to Kafka: a recurring schedule's occurrence has
         its successor written first (:meth:`.Definitions.advance`), and one not to run (stale, missed,
         overlapping) is acked unsent.  When the successor cannot be written, the copy stays in flight
-        and is claimed again after the visibility timeout."""
+        and is claimed again after the visibility timeout; when its schedule cannot be read (a corrupt
+        definition or occurrence), the copy is dead-lettered: only it, never the poller, stops."""
         try:
             advance = self.recurring.advance(data, claim.now_ms)
         except STORE_ERRORS as exc:
             logger.warning("task %s: cannot write its recurring schedule's next occurrence (%s): due again after "
                            "the visibility timeout", task_id, exc)
+            return False
+        except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
+            self.delivery.dead_letter(partition, task_id, claim.stamp, data,
+                                      f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}")
             return False
         self.stats.add("occurrences_fired", advance.fired)
         self.stats.add("occurrences_missed", advance.missed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSIO
 from celery_delayed.recurring.policy import Options, grace_ms
 from celery_delayed.recurring.rules import Rule, rule_data, rule_from_data
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.layout import MAX_DUE_MS
 from celery_delayed.store.outcomes import Change
 
 logger = inert.logger(__name__)
@@ -89,10 +91,29 @@ class Definition:
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
-        fields = json.loads(data)
-        return cls(schedule_id, fields["rule"], base64.b64decode(fields["template"]), fields["origin"],
-                   fields["version"], fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
-                   fields.get("last_ms"))
+        """The stored definition, its rule, options and template read through: :class:`UnreadableDefinition`
+        when any of them cannot be (corrupt JSON, a field missing or of another type)."""
+        try:
+            fields = json.loads(data)
+            held = cls(schedule_id, fields["rule"], base64.b64decode(fields["template"], validate=True),
+                       fields["origin"], fields["version"], fields["pending_ms"], fields.get("options", {}),
+                       fields.get("paused", False), fields.get("last_ms"))
+            if not (type(held.version) is int and isinstance(held.origin, str) and isinstance(held.paused, bool)
+                    and all(ms is None or (type(ms) is int and 0 <= ms < MAX_DUE_MS)
+                            for ms in (held.pending_ms, held.last_ms))):
+                raise TypeError("version, origin, paused, pending_ms or last_ms of another type or range")
+            rule_from_data(held.rule)
+            Options.of(held.options)
+            Envelope.decode(held.template)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnreadableDefinition(f"recurring schedule {schedule_id!r} is unreadable in the store "
+                                       f"({type(exc).__name__}: {exc})") from None
+        return held
+
+
+class UnreadableDefinition(ValueError):
+    """A stored definition that cannot be read: its occurrence is dead-lettered by the poller, lists
+    leave it out (logged), and only :meth:`Definitions.remove` changes it."""
 
 
 @dataclass(frozen=True)
@@ -122,30 +143,33 @@ class Definitions:
         self.grace_ms = grace_ms(store.settings)
 
     def get(self, schedule_id: str) -> Definition | None:
+        """The definition of ``schedule_id`` (None: none); :class:`UnreadableDefinition` if it is corrupt."""
         data = self.store.redis.hget(self._key(schedule_id), schedule_id)
         return None if data is None else Definition.decode(schedule_id, data)
 
     def all(self) -> list[Definition]:
-        """Every definition, partition by partition."""
+        """Every readable definition, partition by partition (each unreadable one logged)."""
         pipe = self.store.redis.pipeline(transaction=False)
         for partition in range(self.store.settings.partitions):
             pipe.hgetall(self.store.keys.recurring(partition))
-        return [Definition.decode(schedule_id.decode(), data)
-                for held in self.store.execute(pipe) for schedule_id, data in held.items()]
+        return [definition for held in self.store.execute(pipe) for definition in _readable(held)]
 
     def page(self, prefix: str = "", cursor: str = "", count: int = PAGE) -> tuple[list[Definition], str]:
         """The definitions whose id starts with ``prefix``, a page at a time (``HSCAN``, partition by
         partition: never all at once): one page from ``cursor`` ('' first), and the cursor of the next
         ('' after the last).  A page holds about ``count``, in no order; one may be empty."""
+        if count < 1:  # a page of none would never move the cursor on
+            raise ValueError(f"a page of recurring schedules holds 1 or more, got {count}")
         partition, _, position = (cursor or "0:0").partition(":")
-        if not (partition.isdigit() and position.isdigit()):
+        if not (partition.isascii() and partition.isdigit() and position.isascii() and position.isdigit()
+                and int(position) < 2**64):  # HSCAN's cursors are unsigned 64-bit
             raise ValueError(f"not a cursor of a list of recurring schedules: {cursor!r}")
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
         found: list[Definition] = []
         p, at = int(partition), int(position)
         while p < self.store.settings.partitions and len(found) < count:
             at, held = self.store.redis.hscan(self.store.keys.recurring(p), at, match=pattern, count=count)
-            found.extend(Definition.decode(schedule_id.decode(), data) for schedule_id, data in held.items())
+            found.extend(_readable(held))
             if at == 0:
                 p += 1
         return found, "" if p >= self.store.settings.partitions else f"{p}:{at}"
@@ -167,6 +191,8 @@ class Definitions:
             first = options.first(rule, self.store.now_ms())
             if first is None:
                 raise ValueError(f"recurring schedule {schedule_id} ends before its first time")
+            if options.due_ms(schedule_id, first) >= MAX_DUE_MS:
+                raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
             new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
                              held is not None and held.paused)
             if self._compare_and_set(schedule_id, held.version if held else 0, new):
@@ -177,12 +203,18 @@ class Definitions:
         return new
 
     def remove(self, schedule_id: str) -> bool:
-        """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale)."""
-        while (held := self.get(schedule_id)) is not None:
-            if self._compare_and_set(schedule_id, held.version, None):
-                self._cancel_replaced(held, None)
-                logger.info("recurring schedule %s removed", schedule_id)
-                return True
+        """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale).  An
+        unreadable one is deleted as it is (no writer can change it: their compare-and-set cannot read
+        it either); its occurrence is then dropped as stale."""
+        try:
+            while (held := self.get(schedule_id)) is not None:
+                if self._compare_and_set(schedule_id, held.version, None):
+                    self._cancel_replaced(held, None)
+                    logger.info("recurring schedule %s removed", schedule_id)
+                    return True
+        except UnreadableDefinition as exc:
+            logger.warning("%s: removed as it is", exc)
+            return bool(self.store.redis.hdel(self._key(schedule_id), schedule_id))
         return False
 
     def pause(self, schedule_id: str) -> Definition | None:
@@ -210,6 +242,8 @@ class Definitions:
                 self._write_pending(resumed)
                 logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
                 return resumed
+        if held is not None:
+            self._write_pending(held)  # a resume that stopped after its compare-and-set, completed
         return held
 
     def run_now(self, schedule_id: str) -> str | None:
@@ -228,11 +262,18 @@ class Definitions:
     def sync(self, entries: dict[str, tuple[bytes, Rule, Options]], origin: str = BEAT) -> None:
         """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): put
         each, remove the others of that origin, and write every other schedule's pending occurrence again
-        (harmless: derived ids), which completes a put that stopped after its compare-and-set."""
+        (harmless: derived ids), which completes a put that stopped after its compare-and-set.  An entry
+        that cannot be put (it ended, starts beyond the store's range) is logged and removed as one no
+        longer configured, one whose stored copy is unreadable logged and left: the others are synced."""
+        synced = set()
         for schedule_id, (template, rule, options) in entries.items():
-            self.put(schedule_id, template, rule, origin, options)
+            try:
+                self.put(schedule_id, template, rule, origin, options)
+                synced.add(schedule_id)
+            except ValueError as exc:
+                logger.error("%s: not run", exc)
         for held in self.all():
-            if held.schedule_id in entries:
+            if held.schedule_id in synced:
                 continue
             if held.origin == origin:
                 self.remove(held.schedule_id)
@@ -325,3 +366,13 @@ class Definitions:
 
     def _key(self, schedule_id: str) -> str:
         return self.store.keys.recurring(self.store.partition(schedule_id))
+
+
+def _readable(held: dict[bytes, bytes]) -> Iterator[Definition]:
+    """The definitions of ``held`` (schedule id -> stored JSON) that can be read; each other one is
+    logged in one line and left as it is (``delayed schedules remove`` deletes it)."""
+    for schedule_id, data in held.items():
+        try:
+            yield Definition.decode(schedule_id.decode(), data)
+        except UnreadableDefinition as exc:
+            logger.error("%s: left out", exc)

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery_delayed.recurring.rules import Every, Rule
 from celery_delayed.settings import Settings
+from celery_delayed.store.layout import MAX_DUE_MS
 
 MISFIRE_POLICIES = ("skip", "once", "all")
 #: Most missed times counted one by one for a crontab (an interval's are counted by arithmetic).
@@ -44,8 +45,10 @@ class Options:
             raise ValueError(f"misfire must be one of {', '.join(MISFIRE_POLICIES)}, got {self.misfire!r}")
         if self.misfire == "all" and self.catch_up_ms <= 0:
             raise ValueError("misfire='all' needs a catch_up window (seconds > 0)")
-        if self.jitter_ms < 0 or self.catch_up_ms < 0:
-            raise ValueError("jitter and catch_up must be >= 0")
+        if not 0 <= self.jitter_ms < MAX_DUE_MS or not 0 <= self.catch_up_ms < MAX_DUE_MS:
+            raise ValueError("jitter and catch_up must be >= 0 and less than the store's range (2106)")
+        if not all(0 <= ms < MAX_DUE_MS for ms in (self.start_ms, self.end_ms) if ms is not None):
+            raise ValueError("a schedule's start and end must be between 1970 and 2106")
         if None not in (self.start_ms, self.end_ms) and self.end_ms <= self.start_ms:  # type: ignore[operator]
             raise ValueError("a schedule's end must be after its start")
 

@@ -284,15 +284,17 @@ class DelayedStore(Inspection):
         reads it: the store's clock decides when a task is due, so a process whose wall clock is off (stepped
         30 s ahead, say) must not make its tasks that late.  The skew is measured (``TIME``) at most once
         every :data:`SKEW_KEPT_S`; one under :data:`SKEW_TOLERANCE_MS` counts as none, and while the store
-        cannot be asked, the last one measured holds (the write that follows fails or waits anyway)."""
+        cannot be asked, the last one measured holds (the write that follows fails or waits anyway) and it
+        is asked again only that much later: a store that stops answering must not cost every task of a
+        batch its socket timeout."""
         if time.monotonic() >= self._skew_until:
             try:
                 before = time.time() * 1000
                 skew = self.now_ms() - (before + time.time() * 1000) / 2
                 self._skew_ms = int(skew) if abs(skew) >= SKEW_TOLERANCE_MS else 0
-                self._skew_until = time.monotonic() + SKEW_KEPT_S
             except STORE_ERRORS:
                 pass
+            self._skew_until = time.monotonic() + SKEW_KEPT_S
         return due_ms + self._skew_ms
 
     # -- dispatch ------------------------------------------------------------

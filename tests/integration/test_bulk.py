@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Iterator
@@ -19,6 +20,7 @@ from celery import Celery
 from celery_delayed import ApplyManyError, DelayedPublishError, StoreUnavailable, apply_many, store_of
 from celery_delayed.client import batch, bulk
 from celery_delayed.envelope import Envelope
+from celery_delayed.store.delayed import SKEW_KEPT_S
 from celery_delayed.store.layout import task_id_of
 from tasks import create_app
 
@@ -159,6 +161,30 @@ def test_a_failure_part_way_stores_the_ones_before_and_the_rest_can_be_sent_once
     assert scheduled_count(app) == 9 and results[0].id == first[0].id
 
 
+def test_a_generator_that_raises_part_way_has_what_it_gave_stored_and_counted(overrides, monkeypatch):
+    """A source of signatures that fails (a database cursor, say) after 6, in the second chunk of 4:
+    the 6 are stored and ``ApplyManyError`` says so, with the source's error as its cause.  The
+    signatures read in the chunk it broke were dropped unsent, and its own error said nothing of
+    what was scheduled."""
+    monkeypatch.setattr(bulk, "CHUNK", 4)
+    app = create_app(**overrides)
+    add = app.tasks["tasks.demo.add"]
+
+    def source() -> Iterator:
+        for i in range(10):
+            if i == 6:
+                raise ConnectionError("the source went away")
+            yield add.s(i, i)
+
+    for results in (True, False):
+        with pytest.raises(ApplyManyError, match="stopped at signature 7: reading the signatures raised "
+                                                 "ConnectionError: the source went away") as failed:
+            apply_many(source(), countdown=600, app=app, results=results)
+        assert failed.value.scheduled == 6 and list(failed.value.unsent) == []
+        assert isinstance(failed.value.__cause__, ConnectionError)
+    assert scheduled_count(app) == 12
+
+
 def test_the_same_signature_twice_is_two_tasks_as_with_apply_async(overrides):
     app = create_app(**overrides)
     signature = app.tasks["tasks.demo.add"].s(1, 1)
@@ -176,6 +202,29 @@ def test_a_store_that_is_down_is_reported_with_nothing_sent(overrides):
             apply_many([add.s(1, 1).set(countdown=600), add.s(2, 2), add.s(3, 3).set(countdown=600)], app=app)
     assert failed.value.scheduled == 0 and isinstance(failed.value.__cause__, StoreUnavailable)
     assert redis.Redis.from_url(app.conf.broker_url).llen(overrides["task_default_queue"]) == 0
+
+
+def test_a_store_that_stops_answering_costs_apply_many_one_clock_reading_not_one_per_task(overrides, toxiproxy,
+                                                                                          monkeypatch):
+    """Each task of a batch asked the store's clock (``TIME``, :meth:`.DelayedStore.on_store_clock`) while
+    a silent store could not answer, each waiting out the socket timeout (5 s): a chunk of 1,000 signatures
+    waited 1,000 of them before its write failed.  A failed reading is tried again a second later."""
+    app = create_app(**{**overrides, "delayed_redis_url": f"redis://{toxiproxy.listen['redis']}/0",
+                        "delayed_redis_cluster": False, "task_publish_retry": False})
+    store, add, asked = store_of(app), app.tasks["tasks.demo.add"], []
+    now_ms = store.now_ms
+
+    def counted() -> int:
+        asked.append(time.monotonic())
+        return now_ms()
+
+    monkeypatch.setattr(store, "now_ms", counted)
+    apply_many([add.s(0, 0)], countdown=600, app=app)  # the layout checked, the skew measured
+    time.sleep(SKEW_KEPT_S)
+    asked.clear()
+    with toxiproxy.toxic(["redis"], "timeout", timeout=0), pytest.raises(ApplyManyError):
+        apply_many([add.s(i, i) for i in range(5)], countdown=600, app=app)
+    assert len(asked) == 1, f"the store's clock asked {len(asked)} times for 5 tasks"
 
 
 @contextlib.contextmanager

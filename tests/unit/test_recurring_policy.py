@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from celery.schedules import crontab
 
-from celery_delayed.recurring.definitions import Definition
+from celery_delayed.envelope import Envelope
+from celery_delayed.recurring.definitions import Definition, UnreadableDefinition
 from celery_delayed.recurring.policy import Misfire, Options, count_between
 from celery_delayed.recurring.rules import Every, rule_of
 
@@ -93,7 +94,14 @@ def test_only_options_that_are_not_defaults_are_stored():
 
 def test_a_definition_stores_its_options_and_states_only_when_not_defaults():
     """Redis bytes per schedule: a plain schedule stores no option, pause or last-run field."""
-    plain = Definition("s", {"every_ms": 1000, "anchor_ms": 0}, b"template", "api", 1, 5000)
+    template = Envelope(task_id="t", queue="q", headers={"task": "tasks.demo.add"}, body=b"[[], {}, {}]",
+                        content_type="application/json", content_encoding="utf-8").encode()
+    plain = Definition("s", {"every_ms": 1000, "anchor_ms": 0}, template, "api", 1, 5000)
     assert set(json.loads(plain.encode())) == {"rule", "template", "origin", "version", "pending_ms"}
     ended = replace(plain, pending_ms=None, options={"misfire": "once"}, paused=True, last_ms=4000)
     assert Definition.decode("s", ended.encode().encode()) == ended and ended.pending_id is None
+    for corrupt in (b'{"rule":', b"[1, 2]", plain.encode().replace("template", "templat").encode(),
+                    json.dumps({**json.loads(plain.encode()), "options": {"misfire": "never"}}).encode(),
+                    json.dumps({**json.loads(plain.encode()), "pending_ms": "abc"}).encode()):
+        with pytest.raises(UnreadableDefinition, match="recurring schedule 's' is unreadable in the store"):
+            Definition.decode("s", corrupt)

@@ -171,6 +171,22 @@ def test_a_task_whose_delivery_keeps_failing_counts_as_failing_from_its_first_du
     assert store.counts()[0]["failing"] == 0 and not store.redis.exists(store.keys.failing(0))
 
 
+def test_a_failing_task_that_left_the_store_unseen_stops_counting_as_failing(overrides):
+    """A task left the store by a way that did not drop it from ``failing`` (the ack of a poller of an
+    earlier release, which knows no such key, during a rolling upgrade): status must not count it
+    failing for ever, its first failed due time growing older and the alert on it firing for good."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1))
+    due = now_ms() - 60_000
+    store.schedule_many((task_id, due, data) for task_id, (_, _, data) in zip(("gone", "kept"), envelopes(2, "q", 0)))
+    claim = store.claim(0, token=1, limit=10)
+    store.nack(0, [(task_id, claim.stamp) for task_id, *_ in claim.items], delay_ms=0,
+               failed={"gone": due - 3_600_000, "kept": due})
+    store.redis.hdel(store.keys.msgs(0), member_of("gone"))  # an old release's ack: message gone, failing kept
+    row = store.counts()[0]
+    assert (row["failing"], 59 < row["oldest_overdue_s"] < 120) == (1, True), row
+    assert store.redis.zrange(store.keys.failing(0), 0, -1) == [member_of("kept")]
+
+
 def test_a_retry_stored_between_a_claim_and_its_read_is_not_taken_for_the_claimed_copy(overrides, monkeypatch):
     """A claim moves its tasks to inflight, then reads their messages (``lua/claim.lua``).  A retry
     stored in between replaces one message and takes that task out of flight, due in a minute: it

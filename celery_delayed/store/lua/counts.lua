@@ -5,10 +5,14 @@
 -- ended before now is overdue whole; only the one holding now is split.
 -- Also the tasks whose delivery failed and that are not delivered yet (nack.lua): a nack
 -- makes them due again shortly, so only their first failed due time shows how late they are.
+-- A failing task whose message is gone has left the store by a way that did not drop it from
+-- `failing` (the ack of a poller of an earlier release, during a rolling upgrade): up to
+-- PRUNE_FAILING of the oldest are looked at each call, and those are dropped, not counted.
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] failing ZSET
 -- ARGV[1] bucket key prefix   ARGV[2] now ms   ARGV[3] bucket width s
+-- Writes: removes from `failing` the task ids it holds whose message is gone.
 -- Returns {scheduled, inflight, overdue, next_due_ms or -1, upcoming_due_ms or -1, failing,
 -- earliest failed due ms or -1}, then per lane holding tasks: lane, its overdue tasks, its earliest due ms.
 --- @include _buckets
@@ -41,7 +45,15 @@ for _, lane in ipairs(all_lanes(lanes)) do
     per_lane[#per_lane + 1] = head
   end
 end
-local failed_first = redis.call('ZRANGE', failing, 0, 0, 'WITHSCORES')[2]
+local PRUNE_FAILING = 1000
+local failed_first, oldest = nil, redis.call('ZRANGE', failing, 0, PRUNE_FAILING - 1, 'WITHSCORES')
+for i = 1, #oldest, 2 do
+  if redis.call('HEXISTS', msgs, oldest[i]) == 0 then
+    redis.call('ZREM', failing, oldest[i])
+  elseif failed_first == nil then
+    failed_first = oldest[i + 1]
+  end
+end
 local out = {redis.call('HLEN', msgs) - inflight, inflight, overdue, earliest_due(lanes, index) or -1, upcoming or -1,
              redis.call('ZCARD', failing), failed_first and tonumber(failed_first) or -1}
 for _, value in ipairs(per_lane) do out[#out + 1] = value end

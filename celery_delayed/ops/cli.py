@@ -21,6 +21,7 @@ import click
 import prometheus_client
 from confluent_kafka import KafkaException
 from kombu import Connection
+from redis.exceptions import ResponseError
 from kombu.exceptions import OperationalError
 from celery import Celery
 from celery.bin.base import CeleryCommand, handle_preload_options
@@ -67,6 +68,8 @@ class _OneLineErrors(click.Group):
             raise click.ClickException(inert(str(exc))) from None
         except KafkaException as exc:
             raise click.ClickException(inert(f"Kafka: {exc}")) from None
+        except ResponseError as exc:  # e.g. WRONGTYPE: a key of ours that something else wrote
+            raise click.ClickException(inert(f"the delayed store refused a command: {exc}")) from None
         except OperationalError as exc:  # kombu's, for the broker (a revoke of a task in flight)
             raise click.ClickException(inert(f"Celery's broker: {exc}")) from None
 

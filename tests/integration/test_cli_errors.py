@@ -156,3 +156,15 @@ def test_a_port_in_use_is_one_line(overrides, args):
         port = taken.getsockname()[1]
         done = celery(overrides, "delayed", *(arg.format(port=port) for arg in args))
     assert one_line_error(done) == f"Error: cannot serve on 127.0.0.1:{port}: Address already in use"
+
+
+def test_a_key_of_ours_that_something_else_wrote_is_one_line(overrides):
+    """A key of the store of another type (written by hand or by another program: WRONGTYPE): the
+    command that reads it says so in one line, not Redis's traceback."""
+    settings = Settings.from_conf(overrides)
+    store = DelayedStore(settings)
+    for p in range(settings.partitions):
+        store.redis.set(store.keys.recurring(p), "oops")
+    done = celery(overrides, "delayed", "schedules", "list")
+    assert one_line_error(done).startswith("Error: the delayed store refused a command: WRONGTYPE"), done.stderr
+

@@ -336,6 +336,8 @@ def run_system(key: str, system: System, opts: argparse.Namespace, progress: Pro
     overrides = {**new_overrides(partitions=8), **system.overrides}
     if opts.topic_partitions:
         overrides["delayed_topic_partitions"] = opts.topic_partitions
+    if opts.dispatch_lead is not None:
+        overrides["delayed_dispatch_lead"] = opts.dispatch_lead
     env = {"COMPARE_SYSTEM": system.app}
     app = create_app(system.app, **overrides)
     records = redis.Redis.from_url(RECORDS)
@@ -572,6 +574,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--topic-partitions", type=int,
                         help="delayed_topic_partitions (default: the setting's own, "
                              f"{Settings.topic_partitions})")
+    parser.add_argument("--dispatch-lead", type=float,
+                        help=f"delayed_dispatch_lead, s (default: the setting's own, {Settings.dispatch_lead})")
     parser.add_argument("--raw-protocol", action="store_true",
                         help='consumer: also delayed_kafka_config = {"group.protocol": "consumer"}')
     parser.add_argument("--pool", choices=sorted(POOLS), default="prefork",

@@ -10,6 +10,7 @@ from celery import Celery
 from celery.events import Event
 from celery.utils.time import utcoffset
 
+from celery_delayed.store.delayed import Item
 from celery_delayed.store.outcomes import write_retrying
 
 #: task-sent events per broker message.
@@ -26,7 +27,7 @@ class Batch:
     def __init__(self, app: Celery, sent: list, before: Future | None = None) -> None:
         self.app = app
         self.before = before  # the write of the chunk before, stored first
-        self.items: list[tuple[str, int, bytes]] = []
+        self.items: list[Item] = []  # each with its queue: the store need not read it from the message
         self.events: list[dict] = []
         self.sent = sent  # the chunk's signatures sent so far
         self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)

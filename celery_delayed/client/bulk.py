@@ -194,7 +194,8 @@ class _Chunk:
         template = shapes.templates.get(shape) if shape is not None else None
         if template is not None and (made := shapes.make(template, signature)) is not None:
             self.copies.append(made.task_id)
-            batch.items.append((made.task_id, batch.app.amqp.delayed_store.on_store_clock(made.due_ms), made.stored))
+            batch.items.append((made.task_id, batch.app.amqp.delayed_store.on_store_clock(made.due_ms), made.stored,
+                                template.queue))
             template.sent(made, signature.args, signature.kwargs, batch)
             self.sent.append((template, made.task_id))
             return

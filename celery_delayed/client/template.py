@@ -105,7 +105,7 @@ class Template:
 
     def __init__(self, app: Celery, task: Task, envelope: Envelope, body: tuple, publish: dict[str, Any],
                  event: dict | None, options: dict[str, Any], result: AsyncResult) -> None:
-        self.task, self.name = task, envelope.task_name
+        self.task, self.name, self.queue = task, envelope.task_name, envelope.queue
         headers, task_id = envelope.headers, envelope.task_id
         self.embed = body[2]
         self.serializer, self.compression = publish["serializer"], publish["compression"]

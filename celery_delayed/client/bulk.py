@@ -196,7 +196,7 @@ class _Chunk:
             self.copies.append(made.task_id)
             batch.items.append((made.task_id, batch.app.amqp.delayed_store.on_store_clock(made.due_ms), made.stored,
                                 template.queue))
-            template.sent(made, signature.args, signature.kwargs, batch)
+            template.sent(made, signature.get("args"), signature.get("kwargs"), batch)
             self.sent.append((template, made.task_id))
             return
         self.copies.append(copy := _copy_with_id(signature, when))

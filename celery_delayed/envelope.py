@@ -28,10 +28,12 @@ import json
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from json.encoder import c_make_encoder, encode_basestring, encode_basestring_ascii  # type: ignore[attr-defined]
+from typing import Any, AnyStr, Callable
 
 from kombu.compression import compress, decompress
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps, loads, registry
+from kombu.utils import json as kombu_json
 
 COMPACT = b"\x01"
 DEFLATED = b"\x02"
@@ -248,6 +250,36 @@ def serialize(body: Any, serializer: str | None, compression: str | None,
     if compression:
         data, headers["compression"] = compress(data, compression)
     return data, content_type, content_encoding
+
+
+def json_encoder() -> Callable[[Any], str] | None:
+    """kombu's JSON serializer (for a list or dict), without an encoder built per call
+    (``kombu.utils.json.dumps`` calls ``json.dumps(cls=JSONEncoder)``, which makes a C encoder per
+    call: the same output), or None when another serializer is registered.  Without the
+    circular-reference check: a cycle raises RecursionError, not ValueError."""
+    if registry._encoders["json"].encoder is not kombu_json.dumps:
+        return None
+    encoder = kombu_json.JSONEncoder()
+    if c_make_encoder is None or encoder.indent is not None:
+        return encoder.encode
+    encode = c_make_encoder(None, encoder.default, encode_basestring_ascii if encoder.ensure_ascii else
+                            encode_basestring, None, encoder.key_separator, encoder.item_separator,
+                            encoder.sort_keys, encoder.skipkeys, encoder.allow_nan)
+    return lambda value: "".join(encode(value, 0))
+
+
+def cut(frame: AnyStr, placeholders: dict[str, AnyStr]) -> tuple[list[AnyStr], list[str]]:
+    """JSON text ``frame`` cut at each of its ``placeholders`` (name -> the JSON of a string value it
+    holds once): the pieces between, and the names in order.  Joined with JSON values between them,
+    the pieces are the JSON of the same data with those values in place of the placeholders."""
+    marks = sorted((frame.index(text), name, len(text)) for name, text in placeholders.items())
+    pieces, names, start = [], [], 0
+    for at, name, width in marks:
+        pieces.append(frame[start:at])
+        names.append(name)
+        start = at + width
+    pieces.append(frame[start:])
+    return pieces, names
 
 
 # -- headers of celery-delayed's own, and the attempt a message is -------------------------------

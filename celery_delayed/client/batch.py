@@ -2,18 +2,24 @@
 signatures' ``apply_async`` calls make, collected (:data:`batching`) and written together."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from contextvars import ContextVar
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from celery import Celery
 from celery.events import Event
 from celery.utils.time import utcoffset
 
+from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, cut, json_encoder
+from celery_delayed.store.delayed import Item
 from celery_delayed.store.outcomes import write_retrying
 
 #: task-sent events per broker message.
 EVENTS_PER_MESSAGE = 100
+#: The fields of a task-sent event that differ between tasks made from one template (:meth:`Batch.event_frame`).
+EVENT_SLOTS = ("uuid", "root_id", "args", "kwargs", "eta", "expires", "clock", "timestamp", "utcoffset")
 
 
 class Batch:
@@ -26,12 +32,13 @@ class Batch:
     def __init__(self, app: Celery, sent: list, before: Future | None = None) -> None:
         self.app = app
         self.before = before  # the write of the chunk before, stored first
-        self.items: list[tuple[str, int, bytes]] = []
-        self.events: list[dict] = []
+        self.items: list[Item] = []  # each with its queue: the store need not read it from the message
+        self.events: list[dict | str] = []  # a task-sent event's fields, or (publish_made) its JSON
         self.sent = sent  # the chunk's signatures sent so far
         self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
         self.bypassed = False  # a message of the signature being sent went around the batch
-        self._dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's own task sender holds one
+        self._dispatcher = dispatcher = app.events.Dispatcher(enabled=False)  # as Celery's task sender holds one
+        self._json = json_encoder() if dispatcher.serializer == "json" else None  # events sent as JSON text
         self.event_options: dict[str, Any] = {}
         self.last_event: dict | None = None  # the fields of the last task-sent event, and what
         self.published: dict[str, Any] | None = None  # Celery published last (for client.template)
@@ -44,6 +51,31 @@ class Batch:
                                  clock=dispatcher.clock.forward(), **fields))
         self.event_options = {"retry": retry, "retry_policy": retry_policy}
         self.last_event = fields
+
+    def event_frame(self, fields: dict) -> tuple[list[str], list[str]] | tuple[()]:
+        """The JSON of a task-sent event of ``fields`` (a template's own) cut where :data:`EVENT_SLOTS`
+        go, for :meth:`publish_made`; ``()`` when events are not sent as JSON here."""
+        if self._json is None:
+            return ()
+        slot = {name: f"\0{name}\0" for name in EVENT_SLOTS}
+        event = Event("task-sent", hostname=self._dispatcher.hostname, utcoffset=slot["utcoffset"],
+                      pid=self._dispatcher.pid, clock=slot["clock"],
+                      **{**fields, **{name: slot[name] for name in EVENT_SLOTS[:6]}})
+        event["timestamp"] = slot["timestamp"]
+        return cut(self._json(event), {name: encode_basestring_ascii(text) for name, text in slot.items()})
+
+    def publish_made(self, frame: tuple[list[str], list[str]], fields: dict[str, str | None]) -> None:
+        """A task-sent event as :meth:`publish` keeps it, made from ``frame`` (:meth:`event_frame`) and the
+        task's own ``fields`` (those of :data:`EVENT_SLOTS` but the clock, time and UTC offset)."""
+        values = dict(fields, clock=self._dispatcher.clock.forward(), timestamp=time.time(), utcoffset=utcoffset())
+        pieces, slots = frame
+        parts = [pieces[0]]
+        for name, piece in zip(slots, pieces[1:]):
+            value = values[name]
+            parts.append(encode_basestring_ascii(value) if type(value) is str else "null" if value is None
+                         else repr(value))
+            parts.append(piece)
+        self.events.append("".join(parts))
 
     def flush(self) -> None:
         """Store the chunk's tasks (retried as a broker publish is), after the chunk before; then send
@@ -61,10 +93,15 @@ class Batch:
             dispatcher = self._dispatcher
             with self.app.producer_or_acquire() as producer:
                 for start in range(0, len(self.events), EVENTS_PER_MESSAGE):
-                    producer.publish(self.events[start:start + EVENTS_PER_MESSAGE], routing_key="task.multi",
-                                     exchange=dispatcher.exchange.name, declare=[dispatcher.exchange],
-                                     serializer=dispatcher.serializer, headers=dispatcher.headers,
-                                     delivery_mode=dispatcher.delivery_mode, **self.event_options)
+                    events, json = self.events[start:start + EVENTS_PER_MESSAGE], self._json
+                    body = events if json is None else \
+                        f"[{', '.join(e if type(e) is str else json(e) for e in events)}]".encode()  # as kombu's
+                    producer.publish(body, routing_key="task.multi", exchange=dispatcher.exchange.name,
+                                     declare=[dispatcher.exchange], serializer=dispatcher.serializer,
+                                     content_type=None if json is None else JSON_TYPE,
+                                     content_encoding=None if json is None else JSON_ENCODING,
+                                     headers=dispatcher.headers, delivery_mode=dispatcher.delivery_mode,
+                                     **self.event_options)
             self.events = []
         self.durable = len(self.sent)
 

@@ -177,6 +177,7 @@ class _Chunk:
         self.sent: list[AsyncResult | tuple[Template, str]] = []
         self.copies: list[Signature | str] = []  # per signature tried: its copy sent, or the id it was made with
         self.batch = batch = Batch(app, self.sent, before)
+        self.store = app.amqp.delayed_store
         self.failed: Exception | None = None
         token = batching.set(batch)
         try:
@@ -194,8 +195,8 @@ class _Chunk:
         template = shapes.templates.get(shape) if shape is not None else None
         if template is not None and (made := shapes.make(template, signature)) is not None:
             self.copies.append(made.task_id)
-            batch.items.append((made.task_id, batch.app.amqp.delayed_store.on_store_clock(made.due_ms), made.stored))
-            template.sent(made, signature.args, signature.kwargs, batch)
+            batch.items.append((made.task_id, self.store.on_store_clock(made.due_ms), made.stored, template.queue))
+            template.sent(made, signature.get("args"), signature.get("kwargs"), batch)
             self.sent.append((template, made.task_id))
             return
         self.copies.append(copy := _copy_with_id(signature, when))

@@ -224,7 +224,7 @@ class _StoreProducer:
         batch = self._amqp._batch()
         if batch is not None:
             if not own_retry and not attempt and not key:
-                batch.items.append((envelope.task_id, store.on_store_clock(self._due_ms), stored))
+                batch.items.append((envelope.task_id, store.on_store_clock(self._due_ms), stored, envelope.queue))
                 return True
             batch.bypass()  # what is batched is stored before this
 

@@ -19,7 +19,7 @@ oversized.  ``tests/unit/test_celery_seams.py`` pins the Celery internals relied
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from json.encoder import encode_basestring_ascii
@@ -33,10 +33,8 @@ from celery.result import AsyncResult
 from celery.utils.saferepr import saferepr
 from celery.utils.time import maybe_make_aware
 from kombu.compression import compress
-from kombu.serialization import registry
-from kombu.utils import json as kombu_json
 
-from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, deflate, serialize
+from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, cut, deflate, json_encoder, serialize
 from celery_delayed.settings import RECORD_OVERHEAD
 
 #: Options that differ from task to task of one shape.
@@ -105,14 +103,15 @@ class Template:
 
     def __init__(self, app: Celery, task: Task, envelope: Envelope, body: tuple, publish: dict[str, Any],
                  event: dict | None, options: dict[str, Any], result: AsyncResult) -> None:
-        self.task, self.name = task, envelope.task_name
+        self.task, self.name, self.queue = task, envelope.task_name, envelope.queue
         headers, task_id = envelope.headers, envelope.task_id
         self.embed = body[2]
         self.serializer, self.compression = publish["serializer"], publish["compression"]
         self.exchange, self.routing_key = publish["exchange"], publish["routing_key"]
         self.content = envelope.content_type, envelope.content_encoding
-        self._json = _json_encoder() if self.serializer == "json" and self.content == (JSON_TYPE, JSON_ENCODING) \
+        self._json = json_encoder() if self.serializer == "json" and self.content == (JSON_TYPE, JSON_ENCODING) \
             else None
+        self._embed_json = self._json(self.embed) if self._json is not None else ""
         self.own_root = headers.get("root_id") == task_id
         self.repr_args = "argsrepr" not in options
         self.repr_kwargs = "kwargsrepr" not in options
@@ -122,6 +121,7 @@ class Template:
         conf = app.conf
         self.maxsizes = app.amqp.argsrepr_maxsize, app.amqp.kwargsrepr_maxsize, conf.task_repr_maxlevels
         self.event = event
+        self._event_frame: tuple[list[str], list[str]] | tuple[()] | None = None  # (Batch.event_frame)
         self.after_headers = dict(publish["headers"])
         slotted = dict(headers, id=SLOTS["id"])
         if self.own_root:
@@ -138,7 +138,7 @@ class Template:
         frame = Envelope(task_id=SLOTS["id"], queue=envelope.queue, headers=slotted, body=b"",
                          content_type=envelope.content_type, content_encoding=envelope.content_encoding,
                          properties=properties, exchange=envelope.exchange, routing_key=envelope.routing_key).encode()
-        self.pieces, self.slots = _cut(frame, filled)
+        self.pieces, self.slots = cut(frame, {name: encode_basestring_ascii(SLOTS[name]).encode() for name in filled})
         settings = app.amqp.delayed_settings
         self.compress_min_bytes, self.max_message_bytes = settings.compress_min_bytes, settings.max_message_bytes
         self.max_record = settings.kafka_message_max_bytes
@@ -162,7 +162,7 @@ class Template:
                 return None
             values["expires"] = expires
         try:
-            body = self.encode((args, kwargs, self.embed))
+            body = self.encode(args, kwargs)
         except Exception:  # the per-task path raises it as Celery does
             return None
         if body is None:
@@ -180,13 +180,15 @@ class Template:
             return None  # the per-task path refuses it (DelayedAMQP.stored_form)
         return Made(stored, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
 
-    def encode(self, body: tuple) -> bytes | None:
-        """``body`` serialized and compressed as kombu's producer does for this template (None: not
-        as the template's content type says)."""
+    def encode(self, args: tuple | list, kwargs: dict) -> bytes | None:
+        """The body of a task of this shape, serialized and compressed as kombu's producer does for this
+        template (None: not as the template's content type says).  A JSON body is the arguments' JSON
+        spliced into the template's encoded ``embed``: the same text as the whole body encoded."""
         if self._json is not None:
-            data = self._json(body).encode()
+            data = f"[{self._json(args)}, {self._json(kwargs)}, {self._embed_json}]".encode()
             return compress(data, self.compression)[0] if self.compression else data
-        data, content_type, content_encoding = serialize(body, self.serializer, self.compression, {})
+        data, content_type, content_encoding = serialize((args, kwargs, self.embed), self.serializer,
+                                                         self.compression, {})
         return data if (content_type, content_encoding) == self.content else None
 
     def sent(self, made: Made, args: tuple, kwargs: dict, batch: Any) -> None:
@@ -204,25 +206,22 @@ class Template:
                                             headers={**self.after_headers, **changed},
                                             exchange=self.exchange, routing_key=self.routing_key)
         if self.event is not None:
-            fields = dict(self.event, uuid=made.task_id, root_id=root_id, eta=made.eta, expires=changed.get(
-                "expires", self.event.get("expires")))
-            fields["args"] = changed.get("argsrepr", self.event["args"])
-            fields["kwargs"] = changed.get("kwargsrepr", self.event["kwargs"])
-            batch.publish("task-sent", fields, None, **batch.event_options)
+            changes = {"uuid": made.task_id, "root_id": root_id, "eta": made.eta,
+                       "expires": changed.get("expires", self.event.get("expires")),
+                       "args": changed.get("argsrepr", self.event["args"]),
+                       "kwargs": changed.get("kwargsrepr", self.event["kwargs"])}
+            if self._event_frame is None:
+                self._event_frame = batch.event_frame(self.event)
+            if self._event_frame:
+                batch.publish_made(self._event_frame, changes)
+            else:
+                batch.publish("task-sent", {**self.event, **changes}, None, **batch.event_options)
 
     def result(self, task_id: str) -> AsyncResult:
         """The task's result, as ``send_task`` returns it."""
         result = self.task.AsyncResult(task_id)
         result.ignored = self.ignored
         return result
-
-
-def _json_encoder() -> Callable[[Any], str] | None:
-    """kombu's JSON serializer without an encoder built per call (``kombu.utils.json.dumps`` calls
-    ``json.dumps(cls=JSONEncoder)``: the same output), or None when another one is registered."""
-    if registry._encoders["json"].encoder is not kombu_json.dumps:
-        return None
-    return kombu_json.JSONEncoder().encode
 
 
 def _random_ids(count: int) -> Iterator[str]:
@@ -237,16 +236,6 @@ def _random_ids(count: int) -> Iterator[str]:
 _VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
 
 
-def _cut(frame: bytes, filled: list[str]) -> tuple[list[bytes], list[str]]:
-    """``frame`` cut at each placeholder of ``filled``: the pieces between, and the slots in order."""
-    marks = sorted((frame.index(encode_basestring_ascii(SLOTS[name]).encode()), name) for name in filled)
-    pieces, slots, start = [], [], 0
-    for at, name in marks:
-        pieces.append(frame[start:at])
-        slots.append(name)
-        start = at + len(encode_basestring_ascii(SLOTS[name]))
-    pieces.append(frame[start:])
-    return pieces, slots
 
 
 class Shapes:
@@ -268,15 +257,13 @@ class Shapes:
         """The key of ``signature``'s shape, or None when it cannot be made from a template."""
         if not self.enabled or type(signature) is not Signature:
             return None
+        options = signature.get("options")  # (not signature.options: its property costs 10x a dict's get)
         try:
-            return signature.task, tuple((k, _frozen(v)) for k, v in signature.options.items()
-                                         if k not in PER_TASK and v is not None), self.has_expires(signature)
+            return signature.get("task"), tuple((k, _frozen(v)) for k, v in options.items()
+                                                if k not in PER_TASK and v is not None), \
+                options.get("expires") is not None
         except _NoShape:
             return None
-
-    @staticmethod
-    def has_expires(signature: Signature) -> bool:
-        return signature.options.get("expires") is not None
 
     def learn(self, shape: Hashable, signature: Signature, published: dict[str, Any] | None,
               result: AsyncResult) -> None:
@@ -287,7 +274,7 @@ class Shapes:
             return
         kind = type(task)
         envelope = published["envelope"]
-        own_times = envelope.headers.get("expires") is None or self.has_expires(signature)
+        own_times = envelope.headers.get("expires") is None or signature.options.get("expires") is not None
         plain = kind.apply_async is Task.apply_async and kind.shadow_name is Task.shadow_name
         self.templates[shape] = Template(self.app, task, envelope, published["body"], published, published["event"],
                                          {k: v for k, v in signature.options.items() if v is not None},
@@ -295,11 +282,12 @@ class Shapes:
 
     def make(self, template: Template, signature: Signature) -> Made | None:
         """``signature``'s task made from ``template`` (its shape's), or None when it takes the per-task path."""
-        times = self.times(signature)
+        options = signature.get("options")
+        times = self.times(options)
         if times is None:
             return None
-        task_id = signature.options.get("task_id") or next(self._ids, None) or self._more_ids()
-        return template.make(task_id, signature.args, signature.kwargs, *times)
+        task_id = options.get("task_id") or next(self._ids, None) or self._more_ids()
+        return template.make(task_id, signature.get("args"), signature.get("kwargs"), *times)
 
     def _more_ids(self) -> str:
         """The next of a new series of random (version 4) task ids: ``str(uuid4())`` reads the system's
@@ -307,11 +295,11 @@ class Shapes:
         self._ids = _random_ids(IDS_AT_ONCE)
         return next(self._ids)
 
-    def times(self, signature: Signature) -> tuple[int, str, str | None] | None:
-        """``(due_ms, eta, expires)`` of ``signature``, the times as Celery's ``as_task_v2`` writes them
-        (ISO strings), or None when it is not a delayed task a template can make."""
-        options = self.when or signature.options
-        countdown, eta = options.get("countdown"), options.get("eta")
+    def times(self, options: dict[str, Any]) -> tuple[int, str, str | None] | None:
+        """``(due_ms, eta, expires)`` of a signature of ``options``, the times as Celery's ``as_task_v2``
+        writes them (ISO strings), or None when it is not a delayed task a template can make."""
+        when = self.when or options
+        countdown, eta = when.get("countdown"), when.get("eta")
         now = datetime.now(timezone.utc)
         if countdown:  # (now + countdown, in the app's zone: what app.now() and add_seconds_to_datetime give)
             if type(countdown) not in (int, float):
@@ -322,7 +310,7 @@ class Shapes:
         due_ms = int(maybe_make_aware(eta).timestamp() * 1000)
         if due_ms - now.timestamp() * 1000 < self.min_delay_ms:
             return None
-        expires = signature.options.get("expires")
+        expires: Any = options.get("expires")
         if type(expires) in (int, float):
             expires = (now + timedelta(seconds=expires)).astimezone(self.zone)
         if isinstance(expires, datetime):

@@ -44,6 +44,8 @@ from celery_delayed.store.scripts import Scripts
 
 logger = inert.logger(__name__)
 
+#: A task to schedule: ``(task_id, due_ms, envelope)``, or with its envelope's queue as a fourth item.
+Item = tuple[str, int, bytes] | tuple[str, int, bytes, str]
 #: Tasks per schedule script call: each costs Redis ~8 µs (a bucket ZADD apiece
 #: when due times are spread out), so a call stalls other clients ~2 ms at most
 #: (a 128-task chunk: 1 ms, but 15% fewer tasks/s).
@@ -114,10 +116,12 @@ class DelayedStore(Inspection):
             [(task_id, due_ms, data)], attempt))[0]))
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
-    def schedule_many(self, items: Iterable[tuple[str, int, bytes]],
-                      progress: Callable[[int], None] | None = None, attempt: int = 0) -> int:
+    def schedule_many(self, items: Iterable[Item], progress: Callable[[int], None] | None = None,
+                      attempt: int = 0) -> int:
         """Store ``(task_id, due_ms, envelope_bytes)`` items, each attempt number ``attempt``
-        (first attempts by default), in bulk; returns how many were stored.
+        (first attempts by default), in bulk; returns how many were stored.  An item may add its
+        envelope's queue, ``(task_id, due_ms, envelope_bytes, queue)``, when the caller knows it: its
+        lane is then taken from it, not read from the envelope (an inflate per task when deflated).
 
         An id the store already holds keeps its stored copy while that one is
         scheduled (or is a later attempt); a copy in flight (being dispatched) of
@@ -150,19 +154,21 @@ class DelayedStore(Inspection):
                 added += self._stored(future.result(), size, progress)
         return added
 
-    def _schedule_pipelines(self, items: Iterable[tuple[str, int, bytes]], attempt: int = 0
+    def _schedule_pipelines(self, items: Iterable[Item], attempt: int = 0
                             ) -> Iterator[tuple[redis.client.Pipeline, int]]:
         """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size."""
         done = 0
         for batch in _chunks(items, SCHEDULE_BATCH):
             by_partition: dict[int, list] = {}
-            for index, (task_id, due_ms, data) in enumerate(batch):
+            for index, item in enumerate(batch):
+                task_id, due_ms, data, queue = item if len(item) == 4 else (*item, None)
                 if (type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id
-                        or task_id[0] == "\0" or not 0 <= due_ms < MAX_DUE_MS):
+                        or task_id[0] == "\0" or not 0 <= due_ms < MAX_DUE_MS
+                        or (queue is not None and type(queue) is not str)):
                     # the slow path names the problem
-                    due_ms = _checked_due_ms(task_id, due_ms, data, done + index)
+                    due_ms = _checked_due_ms(task_id, due_ms, data, done + index, queue)
                 by_partition.setdefault(self.partition(task_id), []).extend(
-                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, data)))
+                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, data, queue)))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):
@@ -501,7 +507,7 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
-def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int) -> int:
+def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int, queue: object = None) -> int:
     """The due ms of item ``index`` as an int; ``ValueError`` naming the item when it cannot be stored."""
     if not isinstance(task_id, str) or not task_id or task_id[0] == "\0":
         raise ValueError(f"item {index}: task id must be a non-empty str not starting with NUL, got {task_id!r}")
@@ -509,6 +515,8 @@ def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int) -
         raise ValueError(f"item {index} ({task_id}): due time must be ms since the epoch, got {due_ms!r}")
     if not isinstance(data, (bytes, bytearray)):
         raise ValueError(f"item {index} ({task_id}): message must be bytes, got {type(data).__name__}")
+    if queue is not None and not isinstance(queue, str):
+        raise ValueError(f"item {index} ({task_id}): queue must be a str, got {type(queue).__name__}")
     return _in_range(int(due_ms), f"item {index} ({task_id}): ")
 
 

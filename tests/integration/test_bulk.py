@@ -87,7 +87,7 @@ class SentEvents(threading.Thread):
 
     def __init__(self, app: Celery) -> None:
         super().__init__(daemon=True)
-        self.app, self.ids, self.etas, self.probed = app, [], {}, threading.Event()
+        self.app, self.ids, self.etas, self.events, self.probed = app, [], {}, {}, threading.Event()
 
     def run(self) -> None:
         with self.app.connection_for_read() as conn:
@@ -98,6 +98,7 @@ class SentEvents(threading.Thread):
         if event["type"] == "task-sent":
             self.ids.append(event["uuid"])
             self.etas[event["uuid"]] = event.get("eta")
+            self.events[event["uuid"]] = event
         elif event["type"] == "test-probe":
             self.probed.set()
 

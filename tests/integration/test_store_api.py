@@ -10,7 +10,7 @@ import pytest
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.inspection import MAX_PAGE
-from celery_delayed.store.layout import member_of
+from celery_delayed.store.layout import member_of, parse_stored
 from celery_delayed.store.outcomes import Change, Stored, TaskInFlight, TaskNotScheduled
 
 from .support import envelopes, wait_for_wake_up
@@ -40,6 +40,18 @@ def test_schedule_many_streams_a_generator_with_progress_and_keeps_first_copies(
     (_, _, first), (_, _, second) = envelopes(2, "q", 0, prefix="dup")
     assert store.schedule_many([("dup", due, first), ("dup", due + 9, second), ("dup", due + 7, second)]) == 1
     assert store.get("dup")["due_ms"] == due and store.message("dup") == first
+
+
+def test_an_item_with_its_queue_is_stored_in_that_queue_lane_as_one_without(store):
+    due = now_ms() + 3_600_000
+    items = list(envelopes(4, "q", due))
+    store.schedule_many([*items[:2], *((*item, "q") for item in items[2:])])
+    assert [(row["queue"], row["next_due_ms"]) for row in store.queues()] == [("q", due)]
+    assert all(store.get(task_id)["queue"] == "q" for task_id, _, _ in items)
+    assert len({parse_stored(store.redis.hget(store.keys.msgs(store.partition(task_id)), member_of(task_id)))[:2]
+                for task_id, _, _ in items}) == 1  # the same bucket start and lane
+    with pytest.raises(ValueError, match=r"item 1 \(task-1\): queue must be a str, got int"):
+        store.schedule_many([items[0], (*items[1], 7)])
 
 
 def test_a_bad_item_stops_its_batch_before_anything_of_it_is_written(store):

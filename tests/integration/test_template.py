@@ -20,6 +20,9 @@ from celery_delayed.client import template
 from celery_delayed.envelope import Envelope
 from tasks import create_app
 
+from .support import wait_for
+from .test_bulk import SentEvents
+
 pytestmark = pytest.mark.cluster_too
 
 ACCEPT = {"application/json", "application/x-python-serialize", "application/x-msgpack"}
@@ -183,6 +186,32 @@ def test_after_publish_receivers_see_every_task_with_its_headers(overrides):
     for (one, one_body), (other, other_body) in zip(per_task, made):
         assert {k for k in one if one[k] != other[k]} == {"id", "root_id", "eta"}
         assert one_body == other_body
+
+
+def test_a_task_made_from_a_template_is_seen_sent_as_apply_async_sends_its_event(overrides):
+    """Its task-sent event (JSON made from its template's) carries what the per-task path's event of
+    the same call carries: the same fields, the same values but for its id, times and clock."""
+    app = app_with_any_task(overrides)
+    anything = app.tasks["tests.template.anything"]
+    events = SentEvents(app)
+    events.start()
+    events.listening()
+    expires = datetime.now(timezone.utc) + timedelta(days=3)
+    calls = [((i, "it's ☃"), {"k": [i, None]}) for i in range(4)]
+    results = [apply_many([anything.s(*args, **kwargs).set(countdown=600, expires=expires, priority=3)
+                           for args, kwargs in calls], app=app, per_task=per_task) for per_task in (True, False)]
+    ids = [r.id for rs in results for r in rs]
+    wait_for(lambda: set(events.events) >= set(ids), 30, "a task-sent event of every task")
+    events.stop()
+
+    def comparable(task_id: str) -> dict:
+        event = events.events[task_id]
+        return {k: v for k, v in event.items() if k not in ("uuid", "root_id", "eta", "clock", "timestamp",
+                                                              "local_received")}
+    for one, other in zip(*results):
+        assert comparable(other.id) == comparable(one.id)
+        assert (events.events[other.id]["root_id"], events.events[other.id]["eta"] is not None) == (other.id, True)
+    assert set(comparable(ids[0])) >= {"args", "kwargs", "expires", "queue", "name", "hostname", "pid", "type"}
 
 
 def test_a_task_too_big_for_its_template_is_refused_as_apply_async_refuses_it(overrides):

@@ -176,10 +176,11 @@ def test_kombus_json_serializer_is_its_json_encoder():
 
     from kombu.serialization import dumps
 
-    from celery_delayed.client.template import _json_encoder
+    from celery_delayed.envelope import json_encoder
 
-    encode = _json_encoder()
+    encode = json_encoder()
     assert encode is not None
     for body in [((1, "two"), {"k": [None, 1.5]}, {"callbacks": None}),
                  ((datetime(2026, 1, 2, 3, 4, 5), uuid.UUID(int=5), Decimal("1.5"), "naïve ☃"), {}, {})]:
         assert encode(body) == dumps(body, serializer="json")[2]
+        assert f"[{encode(body[0])}, {encode(body[1])}, {encode(body[2])}]" == encode(body)  # as spliced

@@ -64,6 +64,11 @@ def test_bad_items_are_named(item, words):
         _checked_due_ms(*item, index=7)
 
 
+def test_a_queue_given_that_is_not_a_str_is_named():
+    with pytest.raises(ValueError, match=r"item 7 \(a\): queue must be a str, got bytes"):
+        _checked_due_ms("a", 1, b"\x01x", 7, b"q")
+
+
 def test_float_due_times_are_accepted():
     assert _checked_due_ms("a", 1.9e12, b"\x02z", 0) == 1_900_000_000_000
 

@@ -148,6 +148,8 @@ def test_a_stale_occurrence_is_dropped_at_dispatch_not_run(overrides, processes)
     run = overrides["delayed_key_prefix"]
     app = create_app(**overrides)
     schedules, store = Schedules(app), store_of(app)
+    if (to_the_hour := 3600 - time.time() % 3600) < 60:  # the new version's own first run must not come in the test
+        time.sleep(to_the_hour + 1)
     old = schedules.upsert("stale", app.signature("tasks.demo.tick", args=(run, "old")), 3600)
     new = schedules.upsert("stale", app.signature("tasks.demo.tick", args=(run, "new")), 3600)
     due = now_ms()

@@ -51,6 +51,9 @@ CONTROLS_REFRESH = 1.0
 #: How soon (ms) a partition whose rate-limited queue ran out of tokens with tasks due is claimed again
 #: (at once when the claim held none of that queue's tokens, not knowing the partition had its tasks).
 THROTTLED_RETRY_MS = 50
+#: After a claim failed on a store error (Redis down, a failover...): ms before the round's partitions are
+#: claimed again.  A refused connection fails at once: retried at once, the poller would spin (and log) non-stop.
+STORE_RETRY_MS = 1000
 #: Seconds between two looks at whether the workers read every queue's topic.
 READERS_EVERY = 30.0
 
@@ -299,13 +302,23 @@ class Poller:
             except Fenced as exc:
                 claim = exc
             except STORE_ERRORS as exc:
-                logger.warning("claim of partition %d failed: %s", partition, exc)
+                logger.warning("claim of partition %d failed: %s; claiming again in %.0f s", partition, exc,
+                               STORE_RETRY_MS / 1000)
                 failed, claim = True, None
+                self._retry_later(partition)
             spent = claim.taken if isinstance(claim, Claim) else Counter()  # a failed claim spent nothing
             for queue, cap in caps.items():
                 tokens[queue] += cap - spent[queue]
             if claim is not None:
                 yield partition, token, budget, claim
+        if failed:  # the round ended there: the partitions it did not ask either
+            for partition, _ in due:
+                self._retry_later(partition)
+
+    def _retry_later(self, partition: int) -> None:
+        """Claim ``partition`` again :data:`STORE_RETRY_MS` from now (unless a wake-up comes first)."""
+        self._next_due[partition] = (time.time() * 1000 + self._clock_offset_ms + self.settings.dispatch_lead * 1000
+                                     + STORE_RETRY_MS)
 
     def _take_tokens(self, wanted: Counter[str]) -> dict[str, int]:
         """The tokens this round may spend, queue -> tokens, of each rate-limited queue not paused

@@ -284,3 +284,23 @@ def test_a_task_kafka_refuses_fails_its_result_instead_of_hanging(overrides, pro
     with pytest.raises(Exception, match="dead-lettered by the poller: Kafka refused the message"):
         refused.get(timeout=60)
     assert refused.state == "FAILURE"
+
+
+def test_a_store_gone_away_mid_dispatch_is_retried_a_second_apart_not_in_a_busy_loop(overrides, processes, tmp_path):
+    """Redis killed while the poller leads partitions with tasks due: every claim fails at once
+    (connection refused).  The poller tries again about once a second, saying so, rather than in a
+    loop as fast as the refusals come (a log line and a core's worth of CPU each time: 124 lines in
+    a second, the review saw)."""
+    from .support import own_redis
+    with own_redis(tmp_path / "redis") as client:
+        port = client.connection_pool.connection_kwargs["port"]
+        overrides["delayed_redis_url"] = f"redis://127.0.0.1:{port}/0"
+        store = DelayedStore(Settings.from_conf(overrides))
+        now = int(time.time() * 1000)
+        store.schedule_many(envelopes(40, overrides["task_default_queue"], now + 3_000))
+        poller = processes.poller()
+        wait_for(lambda: "leads partitions" in processes.log(poller), 30, "the poller to lead")
+        client.shutdown(nosave=True)
+    time.sleep(5)  # the tasks come due meanwhile: every partition is claimed, and fails
+    failures = processes.log(poller).count("claim of partition")
+    assert poller.poll() is None and 1 <= failures <= 20, f"{failures} failed claims logged in 5 s"

@@ -117,8 +117,9 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     Tasks of a shape already sent are made from its message (:mod:`.template`);
     ``per_task=True`` sends every one through ``apply_async`` instead.
     Raises :class:`ApplyManyError` when a signature cannot be sent, a store
-    write fails for good, or ``signatures`` raises as it is read (what it gave
-    before is sent first); the signatures before it are scheduled, the others not.
+    write fails for good, ``signatures`` raises as it is read (what it gave
+    before is sent first), or ``progress`` raises; the signatures before it are
+    scheduled, the others not.
     """
     if eta is not None and countdown is not None:
         raise TypeError("apply_many takes eta or countdown, not both")
@@ -227,7 +228,8 @@ class _Chunk:
 def _settle(chunk: _Chunk, write: Future, done: Results | None, count: int,
             progress: Callable[[int], None] | None, rest: Iterator[Signature]) -> int:
     """Wait for ``chunk``'s write; add its results; return the count stored so far.  Raises
-    :class:`ApplyManyError` (with ``rest``, the signatures after the chunk) when it failed."""
+    :class:`ApplyManyError` (with ``rest``, the signatures after the chunk) when it failed, or when
+    ``progress`` raised."""
     failed = write.exception()
     durable = chunk.batch.durable
     if done is not None:
@@ -237,7 +239,11 @@ def _settle(chunk: _Chunk, write: Future, done: Results | None, count: int,
         raise ApplyManyError(f"stopped at signature {count + 1} ({chunk.signatures[durable]!r}): {failed}",
                              scheduled=count, unsent=itertools.chain(chunk.unsent(), rest)) from failed
     if progress:
-        progress(count)
+        try:
+            progress(count)
+        except Exception as exc:  # the caller's: the count and the rest must not be lost with it
+            raise ApplyManyError(f"stopped after signature {count}: the progress callback raised "
+                                 f"{type(exc).__name__}: {exc}", scheduled=count, unsent=rest) from exc
     return count
 
 

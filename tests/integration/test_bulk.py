@@ -186,6 +186,26 @@ def test_a_generator_that_raises_part_way_has_what_it_gave_stored_and_counted(ov
     assert scheduled_count(app) == 12
 
 
+def test_a_progress_callback_that_raises_stops_apply_many_with_its_count(overrides, monkeypatch):
+    """A ``progress`` callback that raises (a progress bar closed, say) after the first chunk of 4 was
+    stored: ``ApplyManyError`` says how many are scheduled and hands back the rest, the callback's
+    error as its cause.  Its bare error said nothing of what was scheduled."""
+    monkeypatch.setattr(bulk, "CHUNK", 4)
+    app = create_app(**overrides)
+    signatures = [app.tasks["tasks.demo.add"].s(i, i) for i in range(10)]
+
+    def progress(count: int) -> None:
+        raise RuntimeError(f"the bar is gone at {count}")
+
+    with pytest.raises(ApplyManyError, match="stopped after signature 4: the progress callback raised "
+                                             "RuntimeError: the bar is gone at 4") as failed:
+        apply_many(signatures, countdown=600, app=app, progress=progress)
+    assert failed.value.scheduled == 4 and isinstance(failed.value.__cause__, RuntimeError)
+    assert scheduled_count(app) == 4
+    apply_many(failed.value.unsent, countdown=600, app=app)  # the rest, each once
+    assert scheduled_count(app) == 10
+
+
 def test_the_same_signature_twice_is_two_tasks_as_with_apply_async(overrides):
     app = create_app(**overrides)
     signature = app.tasks["tasks.demo.add"].s(1, 1)

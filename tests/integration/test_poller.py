@@ -296,11 +296,14 @@ def test_a_store_gone_away_mid_dispatch_is_retried_a_second_apart_not_in_a_busy_
         port = client.connection_pool.connection_kwargs["port"]
         overrides["delayed_redis_url"] = f"redis://127.0.0.1:{port}/0"
         store = DelayedStore(Settings.from_conf(overrides))
-        now = int(time.time() * 1000)
-        store.schedule_many(envelopes(40, overrides["task_default_queue"], now + 3_000))
+        start = int(time.time() * 1000) + 2_000
+        for second in range(30):  # tasks due every 10 ms for 30 s: the poller claims all the time
+            store.schedule_many((f"{task_id}-{second}", start + second * 1000 + int(task_id.split("-")[1]) * 10,
+                                 data) for task_id, _, data in envelopes(100, overrides["task_default_queue"], 0))
         poller = processes.poller()
         wait_for(lambda: "leads partitions" in processes.log(poller), 30, "the poller to lead")
-        client.shutdown(nosave=True)
-    time.sleep(5)  # the tasks come due meanwhile: every partition is claimed, and fails
+        time.sleep(max(0.0, start / 1000 + 2 - time.time()))  # dispatching
+        client.shutdown(nosave=True)  # mid-claims: the paused queues were read less than a second ago
+    time.sleep(5)
     failures = processes.log(poller).count("claim of partition")
     assert poller.poll() is None and 1 <= failures <= 20, f"{failures} failed claims logged in 5 s"

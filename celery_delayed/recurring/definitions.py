@@ -12,10 +12,11 @@ Every write is crash-safe and safe to race:
   version as its attempt number, so a newer definition's copy of an id replaces an older one's and
   never the reverse.  A put that stopped after its compare-and-set is completed by the next put of
   the same definition, or by any poller's start (:meth:`Definitions.sync`).
-- :meth:`Definitions.advance` runs in the poller before an occurrence is produced: it writes the
-  successor, and the poller acks the occurrence only after Kafka has it, so a poller killed at any
-  point either dispatches the occurrence again (one task id: it runs once) and writes the same
-  successor again (one derived id: kept), or has written it already.
+- :meth:`Definitions.advance_many` runs in the poller before a claim's occurrences are produced: it
+  writes their successors (in bulk: a read of their definitions, a write of the successors, a
+  pipeline of compare-and-sets), and the poller acks an occurrence only after Kafka has it, so a
+  poller killed at any point either dispatches the occurrence again (one task id: it runs once) and
+  writes the same successor again (one derived id: kept), or has written it already.
 - An occurrence whose version is not its definition's (the schedule changed or was removed since
   it was written) is stale: dropped at dispatch, never run, no successor.  So a change racing a
   dispatch never leaves two chains: the old chain ends at its next occurrence.
@@ -26,6 +27,8 @@ import base64
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_delayed import inert
@@ -46,6 +49,8 @@ BEAT = "beat"
 PAGE = 100
 #: A schedule's options when none are given.
 DEFAULTS = Options()
+#: An occurrence :meth:`Definitions.advance_many` read: (index of its message, schedule id, version, nominal ms).
+Due = tuple[int, str, Any, Any]
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,16 @@ class Definition:
     def pending_id(self) -> str | None:
         """The task id of the pending occurrence."""
         return None if self.pending_ms is None else occurrence_id(self.schedule_id, self.pending_ms)
+
+    @cached_property
+    def parsed_options(self) -> Options:
+        """:attr:`options` as :class:`.Options` (and :attr:`parsed_rule`, the rule): parsed once however
+        often a poller's advance asks."""
+        return Options.of(self.options)
+
+    @cached_property
+    def parsed_rule(self) -> Rule:
+        return rule_from_data(self.rule)
 
     @property
     def task_name(self) -> str:
@@ -121,13 +136,15 @@ class Advance:
     """What :meth:`Definitions.advance` decided for a claimed copy: whether it goes to Kafka, and what
     it counts, once per occurrence (by the copy that moved the chain on; a run-now one at each dispatch):
     ``fired``, sent to run; ``missed``, the schedule's times that never run; ``overlapped``, not run,
-    the previous occurrence still running; ``stale``, dropped."""
+    the previous occurrence still running; ``stale``, dropped; ``fault``, why its schedule cannot
+    advance (a corrupt definition or occurrence): the poller dead-letters that copy alone."""
 
     goes: bool
     fired: bool = False
     missed: int = 0
     overlapped: bool = False
     stale: bool = False
+    fault: str | None = None
 
 
 #: What :meth:`Definitions.advance` answers for a copy that is no occurrence of ours.
@@ -144,8 +161,25 @@ class Definitions:
 
     def get(self, schedule_id: str) -> Definition | None:
         """The definition of ``schedule_id`` (None: none); :class:`UnreadableDefinition` if it is corrupt."""
-        data = self.store.redis.hget(self._key(schedule_id), schedule_id)
-        return None if data is None else Definition.decode(schedule_id, data)
+        return self.get_many([schedule_id])[0]
+
+    def get_many(self, schedule_ids: Sequence[str]) -> list[Definition | None]:
+        """The definitions of ``schedule_ids`` (None: no such schedule), in one round trip;
+        :class:`UnreadableDefinition` if one is corrupt."""
+        return [None if data is None else Definition.decode(schedule_id, data)
+                for schedule_id, data in zip(schedule_ids, self._stored_many(schedule_ids))]
+
+    def _stored_many(self, schedule_ids: Sequence[str]) -> list[bytes | None]:
+        """The stored definitions of ``schedule_ids`` as they are (None: none), in one round trip."""
+        by_key: dict[str, list[str]] = {}
+        for schedule_id in schedule_ids:
+            by_key.setdefault(self._key(schedule_id), []).append(schedule_id)
+        pipe = self.store.redis.pipeline(transaction=False)
+        for key, ids in by_key.items():
+            pipe.hmget(key, ids)
+        found = {schedule_id: data for ids, held in zip(by_key.values(), self.store.execute(pipe))
+                 for schedule_id, data in zip(ids, held)}
+        return [found[schedule_id] for schedule_id in schedule_ids]
 
     def all(self) -> list[Definition]:
         """Every readable definition, partition by partition (each unreadable one logged)."""
@@ -186,7 +220,7 @@ class Definitions:
             held = self.get(schedule_id)
             if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template,
                                                                                              origin, wanted):
-                self._write_pending(held)  # a put that stopped after its compare-and-set, completed
+                self._write_pending([held])  # a put that stopped after its compare-and-set, completed
                 return held
             first = options.first(rule, self.store.now_ms())
             if first is None:
@@ -197,7 +231,7 @@ class Definitions:
                              held is not None and held.paused)
             if self._compare_and_set(schedule_id, held.version if held else 0, new):
                 break
-        self._write_pending(new)
+        self._write_pending([new])
         self._cancel_replaced(held, new)
         logger.info("recurring schedule %s: version %d, next at %s ms", schedule_id, new.version, new.pending_ms)
         return new
@@ -239,11 +273,11 @@ class Definitions:
         while (held := self.get(schedule_id)) is not None and held.paused:
             resumed = replace(held, version=held.version + 1, paused=False)
             if self._compare_and_set(schedule_id, held.version, resumed):
-                self._write_pending(resumed)
+                self._write_pending([resumed])
                 logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
                 return resumed
         if held is not None:
-            self._write_pending(held)  # a resume that stopped after its compare-and-set, completed
+            self._write_pending([held])  # a resume that stopped after its compare-and-set, completed
         return held
 
     def run_now(self, schedule_id: str) -> str | None:
@@ -278,11 +312,13 @@ class Definitions:
             if held.origin == origin:
                 self.remove(held.schedule_id)
             else:
-                self._write_pending(held)
+                self._write_pending([held])
 
-    def advance(self, message: bytes, now_ms: int) -> Advance:
-        """Before a claimed copy of a version-5 task id is produced: if it is an occurrence, write its
-        successor and point its definition at it, then say whether it goes (:class:`Advance`).
+    def advance_many(self, messages: Sequence[bytes], now_ms: int) -> list[Advance]:
+        """Before claimed copies of version-5 task ids are produced: for each that is an occurrence, write
+        its successor and point its definition at it, then say whether it goes (:class:`Advance`, one per
+        message, in order).  In bulk: one read of the definitions, one write of the successors, one
+        pipeline of compare-and-sets (two occurrences of one schedule: one after the other).
 
         The successor is the rule's next time after the occurrence's nominal time, or after a later
         instant that the schedule's misfire policy chooses when the occurrence is late
@@ -291,53 +327,103 @@ class Definitions:
         An occurrence that does not go is acked unsent: a stale one (of another version than its
         definition's: the schedule changed, paused or removed since it was written; it has no
         successor), a missed one, or one that would overlap the previous run.  A run-now copy goes, out
-        of the chain.  A store error is raised: the copy then stays in flight, and is claimed again
+        of the chain.  A store error is raised: the copies then stay in flight, and are claimed again
         after the visibility timeout."""
-        try:
-            headers = Envelope.decode(message).headers
-        except EnvelopeError:
-            return NOT_AN_OCCURRENCE  # not an occurrence of ours: the poller's routing parks it
-        schedule_id = headers.get(SCHEDULE_HEADER)
-        if schedule_id is None:
-            return NOT_AN_OCCURRENCE
-        if headers.get(VERSION_HEADER) == RUN_NOW_VERSION:
-            return Advance(True, fired=True)
-        held = self.get(schedule_id)
-        if held is None or held.version != headers.get(VERSION_HEADER):
-            logger.info("occurrence %s of recurring schedule %s (version %s) is stale: dropped, not run",
-                        headers.get("id"), schedule_id, headers.get(VERSION_HEADER))
-            return Advance(False, stale=True)
-        nominal, options, rule = headers[NOMINAL_HEADER], Options.of(held.options), rule_from_data(held.rule)
-        misfire = options.misfire_of(rule, schedule_id, nominal, now_ms, self.grace_ms)
-        overlapped = misfire.runs and not options.overlap and self._running(held, now_ms)
-        runs = misfire.runs and not overlapped
-        successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
-                            last_ms=nominal if runs and not options.overlap else held.last_ms)
-        advanced = False  # whether this copy moved the chain on: counted once, not at each dispatch of it
-        if successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms:
-            self._write_pending(successor)  # else the chain went past it: a copy dispatched again after a crash
-            advanced = self._compare_and_set(schedule_id, held.version, successor, forward=True)
-        if advanced and (misfire.missed or overlapped):
-            logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
-                        schedule_id, nominal, "runs" if runs else "does not run", misfire.missed, successor.pending_ms)
-        return Advance(runs, fired=runs and advanced, missed=misfire.missed if advanced else 0,
-                       overlapped=overlapped and advanced)
+        found: list[Advance] = [NOT_AN_OCCURRENCE] * len(messages)
+        waiting: list[Due] = []
+        for index, message in enumerate(messages):
+            try:
+                headers = Envelope.decode(message).headers
+            except EnvelopeError:
+                continue  # not an occurrence of ours: the poller's routing parks it
+            schedule_id = headers.get(SCHEDULE_HEADER)
+            if schedule_id is None:
+                continue
+            if headers.get(VERSION_HEADER) == RUN_NOW_VERSION:
+                found[index] = Advance(True, fired=True)
+            else:
+                waiting.append((index, schedule_id, headers.get(VERSION_HEADER), headers.get(NOMINAL_HEADER)))
+        while waiting:  # a schedule's second occurrence waits for the chain its first moved
+            now: list[Due] = []
+            later: list[Due] = []
+            seen = set()
+            for item in waiting:
+                (later if item[1] in seen else now).append(item)
+                seen.add(item[1])
+            for (index, *_), advance in zip(now, self._advance_round(now, now_ms)):
+                found[index] = advance
+            waiting = later
+        return found
 
-    def _running(self, held: Definition, now_ms: int) -> bool:
-        """Whether the last occurrence dispatched to run may still be running: a worker holds its run
-        claim, or it did not finish (no finished record) and was due less than the grace ago (on its way
-        to a worker, or waiting for one)."""
-        if held.last_ms is None:
-            return False
-        task_id, redis = occurrence_id(held.schedule_id, held.last_ms), self.store.redis
-        return bool(redis.exists(self.store.keys.run(task_id))) or (
-            now_ms - held.last_ms < self.grace_ms and not redis.exists(self.store.keys.done(task_id)))
+    def _advance_round(self, occurrences: list[Due], now_ms: int) -> list[Advance]:
+        """:meth:`advance_many` of occurrences of distinct schedules."""
+        faults: dict[str, str] = {}  # schedule id -> why it cannot advance
+        live, misfires = [], []
+        for (_, schedule_id, version, nominal), data in zip(
+                occurrences, self._stored_many([schedule_id for _, schedule_id, _, _ in occurrences])):
+            try:
+                held = None if data is None else Definition.decode(schedule_id, data)
+                if held is not None and held.version == version:
+                    misfires.append(held.parsed_options.misfire_of(held.parsed_rule, schedule_id, nominal, now_ms,
+                                                                   self.grace_ms))
+                    live.append((held, nominal))
+            except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
+                faults[schedule_id] = f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}"
+        running = self._running([held for (held, _), misfire in zip(live, misfires)
+                                 if misfire.runs and not held.parsed_options.overlap], now_ms)
+        steps = {}  # schedule id -> (held, successor, runs, overlapped, misfire, whether it moves the chain)
+        for (held, nominal), misfire in zip(live, misfires):
+            overlapped = held.schedule_id in running
+            runs = misfire.runs and not overlapped
+            successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
+                                last_ms=nominal if runs and not held.parsed_options.overlap else held.last_ms)
+            # not when the chain went past it: a copy dispatched again after a crash
+            moves = successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms
+            steps[held.schedule_id] = (held, successor, runs, overlapped, misfire, moves)
+        moving = [(held, successor) for held, successor, _, _, _, moves in steps.values() if moves]
+        self._write_pending([successor for _, successor in moving])
+        advanced = self._compare_and_set_many([(held.version, successor) for held, successor in moving])
+        results = []
+        for _, schedule_id, version, nominal in occurrences:
+            if schedule_id in faults:
+                results.append(Advance(False, fault=faults[schedule_id]))
+                continue
+            if schedule_id not in steps:
+                logger.info("occurrence at %s ms of recurring schedule %s (version %s) is stale: dropped, not run",
+                            nominal, schedule_id, version)
+                results.append(Advance(False, stale=True))
+                continue
+            held, successor, runs, overlapped, misfire, _ = steps[schedule_id]
+            moved = advanced.get(schedule_id, False)  # whether this copy moved the chain on: counted once
+            if moved and (misfire.missed or overlapped):
+                logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
+                            schedule_id, nominal, "runs" if runs else "does not run", misfire.missed,
+                            successor.pending_ms)
+            results.append(Advance(runs, fired=runs and moved, missed=misfire.missed if moved else 0,
+                                   overlapped=overlapped and moved))
+        return results
+
+    def _running(self, helds: list[Definition], now_ms: int) -> set[str]:
+        """The schedules (of ``helds``) whose last occurrence dispatched to run may still be running: a
+        worker holds its run claim, or it did not finish (no finished record) and was due less than the
+        grace ago (on its way to a worker, or waiting for one).  One round trip."""
+        helds = [held for held in helds if held.last_ms is not None]
+        if not helds:
+            return set()
+        pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
+        for held in helds:
+            task_id = occurrence_id(held.schedule_id, held.last_ms)  # type: ignore[arg-type]
+            pipe.exists(keys.run(task_id))
+            pipe.exists(keys.done(task_id))
+        replies = self.store.execute(pipe)
+        return {held.schedule_id for held, claimed, done in zip(helds, replies[::2], replies[1::2])
+                if claimed or (now_ms - held.last_ms < self.grace_ms and not done)}  # type: ignore[operator]
 
     def _next(self, held: Definition, after_ms: int) -> int | None:
         """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
         for years (its chain ends)."""
         try:
-            return Options.of(held.options).within(rule_from_data(held.rule).next_after(after_ms))
+            return held.parsed_options.within(held.parsed_rule.next_after(after_ms))
         except ValueError as exc:
             logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
             return None
@@ -347,22 +433,39 @@ class Definitions:
         if held is not None and held.pending_id is not None and (new is None or held.pending_id != new.pending_id):
             self.store.cancel(held.pending_id)
 
-    def _write_pending(self, definition: Definition) -> None:
-        """Store the pending occurrence of ``definition``, if it has one and is not paused (kept if it is
-        there; a copy of an older version, or one in flight, is replaced)."""
-        if definition.pending_ms is None or definition.paused:
-            return
-        task_id, message = occurrence(Envelope.decode(definition.template), definition.schedule_id,
-                                      definition.version, definition.pending_ms, self.store.settings.compress_min_bytes)
-        due_ms = Options.of(definition.options).due_ms(definition.schedule_id, definition.pending_ms)
-        self.store.schedule(task_id, due_ms, message, attempt=definition.version)
+    def _write_pending(self, definitions: Iterable[Definition]) -> None:
+        """Store the pending occurrence of each of ``definitions`` that has one and is not paused (kept if
+        it is there; a copy of an older version, or one in flight, is replaced), in bulk."""
+        compress = self.store.settings.compress_min_bytes
+        items, attempts = [], []
+        for definition in definitions:
+            if definition.pending_ms is None or definition.paused:
+                continue
+            template = Envelope.decode(definition.template)
+            task_id, message = occurrence(template, definition.schedule_id, definition.version,
+                                          definition.pending_ms, compress)
+            items.append((task_id, definition.parsed_options.due_ms(definition.schedule_id, definition.pending_ms),
+                          message, template.queue))
+            attempts.append(definition.version)
+        if items:
+            self.store.schedule_attempts(items, attempts)
 
-    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None, forward: bool = False) -> bool:
-        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none), and with
-        ``forward`` only if it moves the pending occurrence later (or ends the chain)."""
+    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None) -> bool:
+        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none)."""
         return bool(self.store.scripts["recurring_put"](keys=[self._key(schedule_id)],
-                                                        args=[schedule_id, version, new.encode() if new else "",
-                                                              "1" if forward else ""]))
+                                                        args=[schedule_id, version, new.encode() if new else "", ""]))
+
+    def _compare_and_set_many(self, changes: list[tuple[int, Definition]]) -> dict[str, bool]:
+        """Advance each chain: write each ``(version read, successor)`` if the stored definition is at that
+        version and the successor moves its pending occurrence later (or ends the chain), in one
+        pipeline; schedule id -> whether written."""
+        if not changes:
+            return {}
+        pipe = self.store.redis.pipeline(transaction=False)
+        for version, new in changes:
+            self.store.scripts["recurring_put"](keys=[self._key(new.schedule_id)],
+                                                args=[new.schedule_id, version, new.encode(), "1"], client=pipe)
+        return {new.schedule_id: bool(done) for (_, new), done in zip(changes, self.store.execute(pipe))}
 
     def _key(self, schedule_id: str) -> str:
         return self.store.keys.recurring(self.store.partition(schedule_id))

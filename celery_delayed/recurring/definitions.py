@@ -7,11 +7,13 @@ its one pending occurrence (an ordinary scheduled task, :mod:`.occurrences`).
 
 Every write is crash-safe and safe to race:
 
-- :meth:`Definitions.put` compare-and-sets the definition (``lua/recurring_put.lua``), then writes its
-  pending occurrence, then cancels the previous one.  An occurrence is stored with its definition's
-  version as its attempt number, so a newer definition's copy of an id replaces an older one's and
-  never the reverse.  A put that stopped after its compare-and-set is completed by the next put of
-  the same definition, or by any poller's start (:meth:`Definitions.sync`).
+- :meth:`Definitions.put` compare-and-sets the definition (``lua/recurring_put.lua``) and, in the same
+  step, marks the put as pending; then writes its pending occurrence, clears the mark, and cancels the
+  previous one.  An occurrence is stored with its definition's version as its attempt number, so a
+  newer definition's copy of an id replaces an older one's and never the reverse.  A put that stopped
+  after its compare-and-set is completed by the next put of the same definition, or by any poller's
+  start (:meth:`Definitions.sync`), which completes the marked ones only: it never writes a healthy
+  schedule's occurrence again (that would supersede a copy another poller has in flight).
 - :meth:`Definitions.advance_many` runs in the poller before a claim's occurrences are produced: it
   writes their successors (in bulk: a read of their definitions, a write of the successors, a
   pipeline of compare-and-sets), and the poller acks an occurrence only after Kafka has it, so a
@@ -217,10 +219,12 @@ class Definitions:
         schedule would end before its first time."""
         data, wanted = rule_data(rule), options.data()
         while True:
-            held = self.get(schedule_id)
+            held, putting = self._read(schedule_id)
             if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template,
                                                                                              origin, wanted):
-                self._write_pending([held])  # a put that stopped after its compare-and-set, completed
+                if putting is not None:  # a put that stopped after its compare-and-set (or one since superseded)
+                    self._write_pending([held] if putting == held.version else [])
+                    self._clear_marks([(schedule_id, putting)])
                 return held
             first = options.first(rule, self.store.now_ms())
             if first is None:
@@ -229,9 +233,10 @@ class Definitions:
                 raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
             new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
                              held is not None and held.paused)
-            if self._compare_and_set(schedule_id, held.version if held else 0, new):
+            if self._compare_and_set(schedule_id, held.version if held else 0, new, pending=True):
                 break
         self._write_pending([new])
+        self._clear_marks([(schedule_id, new.version)])
         self._cancel_replaced(held, new)
         logger.info("recurring schedule %s: version %d, next at %s ms", schedule_id, new.version, new.pending_ms)
         return new
@@ -272,8 +277,9 @@ class Definitions:
         missed, and the poller dispatches it by the schedule's misfire policy.  None when there is none."""
         while (held := self.get(schedule_id)) is not None and held.paused:
             resumed = replace(held, version=held.version + 1, paused=False)
-            if self._compare_and_set(schedule_id, held.version, resumed):
+            if self._compare_and_set(schedule_id, held.version, resumed, pending=True):
                 self._write_pending([resumed])
+                self._clear_marks([(schedule_id, resumed.version)])
                 logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
                 return resumed
         if held is not None:
@@ -294,11 +300,12 @@ class Definitions:
         return task_id
 
     def sync(self, entries: dict[str, tuple[bytes, Rule, Options]], origin: str = BEAT) -> None:
-        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): put
-        each, remove the others of that origin, and write every other schedule's pending occurrence again
-        (harmless: derived ids), which completes a put that stopped after its compare-and-set.  An entry
-        that cannot be put (it ended, starts beyond the store's range) is logged and removed as one no
-        longer configured, one whose stored copy is unreadable logged and left: the others are synced."""
+        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): complete
+        the puts that stopped after their compare-and-set (:meth:`complete_puts`), put each entry, and
+        remove the others of that origin.  An entry that cannot be put (it ended, starts beyond the
+        store's range) is logged and removed as one no longer configured, one whose stored copy is
+        unreadable logged and left: the others are synced."""
+        self.complete_puts()
         synced = set()
         for schedule_id, (template, rule, options) in entries.items():
             try:
@@ -307,12 +314,28 @@ class Definitions:
             except ValueError as exc:
                 logger.error("%s: not run", exc)
         for held in self.all():
-            if held.schedule_id in synced:
-                continue
-            if held.origin == origin:
+            if held.schedule_id not in synced and held.origin == origin:
                 self.remove(held.schedule_id)
-            else:
-                self._write_pending([held])
+
+    def complete_puts(self) -> int:
+        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
+        which marked it (``lua/recurring_put.lua``), and clear the marks; the other schedules are left
+        alone.  Returns how many occurrences were written."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for partition in range(self.store.settings.partitions):
+            pipe.hgetall(self.store.keys.recurring_putting(partition))
+        marks = {schedule_id.decode(): int(version)
+                 for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+        if not marks:
+            return 0
+        stored = {schedule_id.encode(): data for schedule_id, data in zip(marks, self._stored_many(list(marks)))
+                  if data is not None}
+        interrupted = [held for held in _readable(stored)
+                       if held.version == marks[held.schedule_id]]  # else a later write superseded it
+        self._write_pending(interrupted)
+        self._clear_marks(marks.items())
+        logger.info("%d interrupted put(s) of recurring schedules completed", len(interrupted))
+        return len(interrupted)
 
     def advance_many(self, messages: Sequence[bytes], now_ms: int) -> list[Advance]:
         """Before claimed copies of version-5 task ids are produced: for each that is an occurrence, write
@@ -450,10 +473,36 @@ class Definitions:
         if items:
             self.store.schedule_attempts(items, attempts)
 
-    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None) -> bool:
-        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none)."""
-        return bool(self.store.scripts["recurring_put"](keys=[self._key(schedule_id)],
-                                                        args=[schedule_id, version, new.encode() if new else "", ""]))
+    def _read(self, schedule_id: str) -> tuple[Definition | None, int | None]:
+        """A schedule's definition, and the version of its put still pending (:meth:`complete_puts`), if
+        any, in one round trip."""
+        partition = self.store.partition(schedule_id)
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.hget(self.store.keys.recurring(partition), schedule_id)
+        pipe.hget(self.store.keys.recurring_putting(partition), schedule_id)
+        data, putting = self.store.execute(pipe)
+        return (None if data is None else Definition.decode(schedule_id, data),
+                None if putting is None else int(putting))
+
+    def _clear_marks(self, marks: Iterable[tuple[str, int]]) -> None:
+        """Clear the pending-put marks ``(schedule id, version)`` whose occurrence is written
+        (``lua/recurring_put_done.lua``), each unless a later put marked its schedule again."""
+        by_partition: dict[int, list[Any]] = {}
+        for schedule_id, version in marks:
+            by_partition.setdefault(self.store.partition(schedule_id), []).extend((schedule_id, version))
+        pipe = self.store.redis.pipeline(transaction=False)
+        for partition, args in by_partition.items():
+            self.store.scripts["recurring_put_done"](keys=[self.store.keys.recurring_putting(partition)], args=args,
+                                                     client=pipe)
+        self.store.execute(pipe)
+
+    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None, pending: bool = False) -> bool:
+        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none); ``pending``:
+        and mark the put as pending until its occurrence is written (:meth:`_clear_marks`)."""
+        partition = self.store.partition(schedule_id)
+        return bool(self.store.scripts["recurring_put"](
+            keys=[self.store.keys.recurring(partition), self.store.keys.recurring_putting(partition)],
+            args=[schedule_id, version, new.encode() if new else "", "", new.version if new and pending else ""]))
 
     def _compare_and_set_many(self, changes: list[tuple[int, Definition]]) -> dict[str, bool]:
         """Advance each chain: write each ``(version read, successor)`` if the stored definition is at that
@@ -461,10 +510,11 @@ class Definitions:
         pipeline; schedule id -> whether written."""
         if not changes:
             return {}
-        pipe = self.store.redis.pipeline(transaction=False)
+        pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
         for version, new in changes:
-            self.store.scripts["recurring_put"](keys=[self._key(new.schedule_id)],
-                                                args=[new.schedule_id, version, new.encode(), "1"], client=pipe)
+            partition = self.store.partition(new.schedule_id)
+            self.store.scripts["recurring_put"](keys=[keys.recurring(partition), keys.recurring_putting(partition)],
+                                                args=[new.schedule_id, version, new.encode(), "1", ""], client=pipe)
         return {new.schedule_id: bool(done) for (_, new), done in zip(changes, self.store.execute(pipe))}
 
     def _key(self, schedule_id: str) -> str:

@@ -1,15 +1,23 @@
-"""Recurring schedules at scale, on real servers: a poller advances a claim's occurrences in bulk.
+"""Recurring schedules at scale, on real servers: a poller advances a claim's occurrences in bulk, a
+poller's start leaves healthy schedules alone, and a put killed after its compare-and-set is completed.
 
 The round trips are counted by the commands a Redis of the test's own served (``INFO commandstats``):
 no other client talks to it.
 """
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 
-from celery_delayed import Schedules
+from celery_delayed import Schedules, store_of
+from celery_delayed.recurring.definitions import BEAT, Definitions
+from celery_delayed.settings import Settings
+from celery_delayed.store.delayed import DelayedStore
 from tasks import create_app
 
-from .support import own_redis, wait_for
+from .support import ROOT, environment, own_redis, wait_for
 
 SCHEDULES = 200
 
@@ -45,3 +53,47 @@ def test_a_poller_advances_the_occurrences_of_a_claim_in_bulk(overrides, process
     assert len(first) == SCHEDULES
     assert reads < 2 * SCHEDULES, f"{reads} round trips to advance {2 * SCHEDULES} occurrences (and claim them)"
     assert script_exists == 0, f"{script_exists} SCRIPT EXISTS sent before pipelines"
+
+
+def test_a_poller_start_writes_no_healthy_schedule_again(overrides, tmp_path):
+    """A start (its ``beat_schedule`` sync) over healthy schedules runs no script: it writes none of their
+    pending occurrences again (which would supersede a copy another poller has in flight)."""
+    with own_redis(tmp_path / "redis") as client:
+        overrides["delayed_redis_url"] = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+        upserted(overrides, 50, 3600)
+        client.config_resetstat()
+        Definitions(DelayedStore(Settings.from_conf(overrides))).sync({}, BEAT)
+        scripts = calls(client, "evalsha") + calls(client, "eval")
+    assert scripts == 0, f"{scripts} scripts run by a start over 50 healthy schedules"
+
+
+KILLED_PUT = textwrap.dedent("""
+    import os, signal, sys
+    from celery_delayed import Schedules
+    from celery_delayed.recurring.definitions import Definitions
+    from tasks import create_app
+
+    def dying(self, definitions):  # the put's compare-and-set is done: die before its occurrence is written
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Definitions._write_pending = dying
+    app = create_app()
+    Schedules(app).upsert("killed", app.signature("tasks.demo.tick", args=(sys.argv[1],)), 3600)
+""")
+
+
+def test_a_put_killed_after_its_compare_and_set_is_completed_by_the_next_poller_start(overrides, processes):
+    run = overrides["delayed_key_prefix"]
+    store = store_of(create_app(**overrides))
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUT, run], cwd=ROOT, env=environment(overrides),
+                            capture_output=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    definitions = Definitions(store)
+    held = definitions.get("killed")
+    assert held is not None and held.pending_id is not None
+    assert store.get(held.pending_id) is None  # the put died between its compare-and-set and its write
+
+    processes.poller()
+    wait_for(lambda: store.get(held.pending_id) is not None, 30, "the poller's start to write the occurrence")
+    assert store.get(held.pending_id)["state"] == "scheduled"
+    assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0

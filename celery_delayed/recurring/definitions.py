@@ -1,9 +1,12 @@
 """Recurring schedules' definitions in the store, and the chain of their occurrences.
 
-A definition is JSON in the ``<prefix>:{p}:recurring`` HASH of its schedule id's partition: the rule
-(:mod:`.rules` data), the message template (the stored form the client built, base64), its origin
-(``beat`` for ``beat_schedule`` entries), a version raised by every change, and the nominal time of
-its one pending occurrence (an ordinary scheduled task, :mod:`.occurrences`).
+A definition is a value of the ``<prefix>:{p}:recurring`` HASH of its schedule id's partition: a line
+of JSON, ``[version, pending ms, rule, origin]`` and, when not defaults, ``{options, paused, last ms}``
+-- a version raised by every change, the nominal time of its one pending occurrence (an ordinary
+scheduled task, :mod:`.occurrences`), the rule (:mod:`.rules` data), its origin (``beat`` for
+``beat_schedule`` entries) -- then the message template, the envelope the client built, deflated as
+stored tasks are (:func:`.envelope.deflate`).  Half the bytes of the first format, a JSON object with
+the template in base64, which is still read (and rewritten in this one by the next change).
 
 Every write is crash-safe and safe to race:
 
@@ -34,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.envelope import Envelope, EnvelopeError, deflate, inflate
 from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSION, SCHEDULE_HEADER, VERSION_HEADER,
     occurrence, occurrence_id)
 from celery_delayed.recurring.policy import Options, grace_ms
@@ -87,9 +90,14 @@ class Definition:
     def parsed_rule(self) -> Rule:
         return rule_from_data(self.rule)
 
+    @cached_property
+    def envelope(self) -> Envelope:
+        """The template, decoded."""
+        return Envelope.decode(self.template)
+
     @property
     def task_name(self) -> str:
-        return Envelope.decode(self.template).task_name
+        return self.envelope.task_name
 
     def describe(self) -> dict[str, Any]:
         """What an operator reads of it (``delayed schedules show``, ``--json``): plain data."""
@@ -99,29 +107,35 @@ class Definition:
                 "version": self.version, "paused": self.paused, "next_ms": self.pending_ms,
                 "next_id": self.pending_id, "options": self.options, "last_ms": self.last_ms}
 
-    def encode(self) -> str:
-        fields = {"rule": self.rule, "template": base64.b64encode(self.template).decode(), "origin": self.origin,
-                  "version": self.version, "pending_ms": self.pending_ms}
-        extra = {"options": self.options, "paused": self.paused, "last_ms": self.last_ms}
-        return json.dumps({**fields, **{name: value for name, value in extra.items() if value}},
-                          separators=(",", ":"))
+    def encode(self) -> bytes:
+        extra = {name: value for name, value in (("options", self.options), ("paused", self.paused),
+                                                 ("last_ms", self.last_ms)) if value}
+        head = [self.version, self.pending_ms, self.rule, self.origin, *([extra] if extra else [])]
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + deflate(self.template, 0)
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
-        """The stored definition, its rule, options and template read through: :class:`UnreadableDefinition`
-        when any of them cannot be (corrupt JSON, a field missing or of another type)."""
+        """The stored definition, its rule, options and template read through (either format):
+        :class:`UnreadableDefinition` when any of them cannot be (corrupt, a field missing or of another
+        type)."""
         try:
-            fields = json.loads(data)
-            held = cls(schedule_id, fields["rule"], base64.b64decode(fields["template"], validate=True),
-                       fields["origin"], fields["version"], fields["pending_ms"], fields.get("options", {}),
-                       fields.get("paused", False), fields.get("last_ms"))
+            if data[:1] == b"{":  # the first format: one JSON object, the template in base64
+                fields = json.loads(data)
+                template = base64.b64decode(fields.pop("template"), validate=True)
+            else:
+                head, _, template = data.partition(b"\n")
+                version, pending_ms, rule, origin, *extra = json.loads(head)
+                fields = {"version": version, "pending_ms": pending_ms, "rule": rule, "origin": origin,
+                          **(extra[0] if extra else {})}
+                template = inflate(template)
+            held = cls(schedule_id, fields["rule"], template, fields["origin"], fields["version"],
+                       fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
+                       fields.get("last_ms"))
             if not (type(held.version) is int and isinstance(held.origin, str) and isinstance(held.paused, bool)
                     and all(ms is None or (type(ms) is int and 0 <= ms < MAX_DUE_MS)
                             for ms in (held.pending_ms, held.last_ms))):
                 raise TypeError("version, origin, paused, pending_ms or last_ms of another type or range")
-            rule_from_data(held.rule)
-            Options.of(held.options)
-            Envelope.decode(held.template)
+            held.parsed_rule, held.parsed_options, held.envelope  # noqa: B018 -- read through, once (cached)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UnreadableDefinition(f"recurring schedule {schedule_id!r} is unreadable in the store "
                                        f"({type(exc).__name__}: {exc})") from None
@@ -293,7 +307,7 @@ class Definitions:
         if held is None:
             return None
         now = self.store.now_ms()
-        task_id, message = occurrence(Envelope.decode(held.template), schedule_id, RUN_NOW_VERSION, now,
+        task_id, message = occurrence(held.envelope, schedule_id, RUN_NOW_VERSION, now,
                                       self.store.settings.compress_min_bytes)
         self.store.schedule(task_id, now, message)
         logger.info("recurring schedule %s: run now as task %s", schedule_id, task_id)
@@ -464,11 +478,10 @@ class Definitions:
         for definition in definitions:
             if definition.pending_ms is None or definition.paused:
                 continue
-            template = Envelope.decode(definition.template)
-            task_id, message = occurrence(template, definition.schedule_id, definition.version,
+            task_id, message = occurrence(definition.envelope, definition.schedule_id, definition.version,
                                           definition.pending_ms, compress)
             items.append((task_id, definition.parsed_options.due_ms(definition.schedule_id, definition.pending_ms),
-                          message, template.queue))
+                          message, definition.envelope.queue))
             attempts.append(definition.version)
         if items:
             self.store.schedule_attempts(items, attempts)

@@ -6,6 +6,8 @@ no other client talks to it.
 """
 from __future__ import annotations
 
+import base64
+import json
 import signal
 import subprocess
 import sys
@@ -97,3 +99,23 @@ def test_a_put_killed_after_its_compare_and_set_is_completed_by_the_next_poller_
     wait_for(lambda: store.get(held.pending_id) is not None, 30, "the poller's start to write the occurrence")
     assert store.get(held.pending_id)["state"] == "scheduled"
     assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0
+
+
+def test_a_definition_of_the_first_format_is_read_and_advanced_then_stored_packed(overrides, processes):
+    """A definition written before the packed format (one JSON object, the template in base64) still
+    reads the same, and a poller advances its chain (``lua/recurring_put.lua`` reads both): the chain's
+    next write stores it packed."""
+    run = overrides["delayed_key_prefix"]
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    schedule_id = f"{run}:first"  # derived task ids of its own: the result backend is shared
+    held = schedules.upsert(schedule_id, app.signature("tasks.demo.tick", args=(run,)), 1)
+    key = store.keys.recurring(store.partition(schedule_id))
+    store.redis.hset(key, schedule_id, json.dumps({
+        "rule": held.rule, "template": base64.b64encode(held.template).decode(), "origin": held.origin,
+        "version": held.version, "pending_ms": held.pending_ms}))
+    assert schedules.get(schedule_id) == held
+
+    processes.poller()
+    wait_for(lambda: schedules.get(schedule_id).pending_ms >= held.pending_ms + 2000, 30, "the chain to move on")
+    assert not store.redis.hget(key, schedule_id).startswith(b"{")

@@ -149,7 +149,7 @@ class UnreadableDefinition(ValueError):
 
 @dataclass(frozen=True)
 class Advance:
-    """What :meth:`Definitions.advance` decided for a claimed copy: whether it goes to Kafka, and what
+    """What :meth:`Definitions.advance_many` decided for a claimed copy: whether it goes to Kafka, and what
     it counts, once per occurrence (by the copy that moved the chain on; a run-now one at each dispatch):
     ``fired``, sent to run; ``missed``, the schedule's times that never run; ``overlapped``, not run,
     the previous occurrence still running; ``stale``, dropped; ``fault``, why its schedule cannot
@@ -163,13 +163,13 @@ class Advance:
     fault: str | None = None
 
 
-#: What :meth:`Definitions.advance` answers for a copy that is no occurrence of ours.
+#: What :meth:`Definitions.advance_many` answers for a copy that is no occurrence of ours.
 NOT_AN_OCCURRENCE = Advance(True)
 
 
 class Definitions:
     """The recurring schedules of one store: read, put, pause, resume, run now, remove, list, sync; the
-    poller's :meth:`advance`."""
+    poller's :meth:`advance_many`."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
@@ -444,17 +444,17 @@ class Definitions:
         """The schedules (of ``helds``) whose last occurrence dispatched to run may still be running: a
         worker holds its run claim, or it did not finish (no finished record) and was due less than the
         grace ago (on its way to a worker, or waiting for one).  One round trip."""
-        helds = [held for held in helds if held.last_ms is not None]
-        if not helds:
+        lasts = [(held.schedule_id, held.last_ms) for held in helds if held.last_ms is not None]
+        if not lasts:
             return set()
         pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
-        for held in helds:
-            task_id = occurrence_id(held.schedule_id, held.last_ms)  # type: ignore[arg-type]
+        for schedule_id, last_ms in lasts:
+            task_id = occurrence_id(schedule_id, last_ms)
             pipe.exists(keys.run(task_id))
             pipe.exists(keys.done(task_id))
         replies = self.store.execute(pipe)
-        return {held.schedule_id for held, claimed, done in zip(helds, replies[::2], replies[1::2])
-                if claimed or (now_ms - held.last_ms < self.grace_ms and not done)}  # type: ignore[operator]
+        return {schedule_id for (schedule_id, last_ms), claimed, done in zip(lasts, replies[::2], replies[1::2])
+                if claimed or (now_ms - last_ms < self.grace_ms and not done)}
 
     def _next(self, held: Definition, after_ms: int) -> int | None:
         """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time

@@ -102,10 +102,10 @@ def measure_start(settings: Settings, count: int, progress: Progress) -> dict[st
     write_schedules(store, count, None, progress)
     written, pipelines = [0], store._schedule_pipelines
 
-    def counted(items: Any, *args: Any) -> Any:  # the tasks the start writes (again)
+    def counted(items: Any, *args: Any, **kwargs: Any) -> Any:  # the tasks the start writes (again)
         items = list(items)
         written[0] += len(items)
-        return pipelines(items, *args)
+        return pipelines(items, *args, **kwargs)
 
     store._schedule_pipelines = counted  # type: ignore[method-assign]
     began = time.perf_counter()

@@ -64,8 +64,10 @@ from bench.common import (RESULTS, CpuMeter, exclusive, make_consumer, new_overr
     topic_partitions, versions)
 from bench.dispatch import git_state
 from bench.recurring_app import minutes_of
+from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import DUE_HEADER, ensure_topics
 from celery_delayed.poller.leadership import make_etcd
+from celery_delayed.recurring.occurrences import NOMINAL_HEADER
 from celery_delayed.sandbox import remove_everything
 from celery_delayed.settings import Settings
 from celery_delayed.store.keys import Keys
@@ -136,7 +138,9 @@ class Published:
 
 class KafkaReader(threading.Thread):
     """Reads celery-delayed's topic: each record's key (the occurrence's task id, derived from its
-    schedule id and nominal time), its due header (the nominal time) and its CreateTime."""
+    schedule id and nominal time), the occurrence's nominal time (its message's header: a record's due
+    header is when its copy was last made due, which for a copy that a killed poller left in flight is
+    when the visibility timeout gave it back) and its CreateTime."""
 
     def __init__(self, settings: Settings, topic: str, published: Published) -> None:
         super().__init__(daemon=True, name="recurring-kafka")
@@ -149,9 +153,11 @@ class KafkaReader(threading.Thread):
             for record in self.consumer.consume(num_messages=10_000, timeout=0.2):
                 if record.error():
                     continue
-                due = dict(record.headers() or ()).get(DUE_HEADER)
-                if due is not None:
-                    self.published.add((record.key() or b"").decode(), int(due), record.timestamp()[1])
+                if DUE_HEADER not in dict(record.headers() or ()):
+                    continue
+                nominal = Envelope.decode(record.value()).headers.get(NOMINAL_HEADER)
+                if nominal is not None:
+                    self.published.add((record.key() or b"").decode(), int(nominal), record.timestamp()[1])
         self.consumer.close()
 
     def stop(self) -> None:

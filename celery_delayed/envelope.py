@@ -160,6 +160,11 @@ def deflate(frame: bytes, min_bytes: int) -> bytes:
     return packed if len(packed) < len(frame) else frame
 
 
+def inflate(data: bytes) -> bytes:
+    """The compact envelope :func:`deflate` made ``data`` from (other forms unchanged)."""
+    return COMPACT + _inflate(data[1:]) if data[:1] == DEFLATED else data
+
+
 def decode_meta(data: bytes) -> dict[str, Any]:
     """The meta of an envelope, with at least ``id`` and ``q``: enough to route it."""
     return _parse(data)[0]

@@ -219,8 +219,9 @@ class Poller:
             self._clock_offset_ms = self.delivery.clock_offset_ms = claim.now_ms - int(time.time() * 1000)
             self._limit.take(len(claim.items))
             claimed = (CLAIMED_HEADER, str(claim.now_ms))
+            held_back = self._advance_occurrences(partition, claim)
             for task_id, due_ms, data in claim.items:
-                if maybe_occurrence(task_id) and not self._occurrence_goes(partition, task_id, claim, data):
+                if task_id in held_back:
                     continue
                 produced += self.delivery.produce(partition, task_id, claim.stamp, due_ms, data,
                                                   [(DUE_HEADER, str(due_ms)), claimed])
@@ -237,28 +238,34 @@ class Poller:
         self.delivery.serve(timeout=0)
         return produced
 
-    def _occurrence_goes(self, partition: int, task_id: str, claim: Claim, data: bytes) -> bool:
-        """Whether a claimed copy with a version-5 id goes to Kafka: a recurring schedule's occurrence has
-        its successor written first (:meth:`.Definitions.advance`), and one not to run (stale, missed,
-        overlapping) is acked unsent.  When the successor cannot be written, the copy stays in flight
-        and is claimed again after the visibility timeout; when its schedule cannot be read (a corrupt
-        definition or occurrence), the copy is dead-lettered: only it, never the poller, stops."""
+    def _advance_occurrences(self, partition: int, claim: Claim) -> set[str]:
+        """The claimed copies (of version-5 ids) not to produce: the recurring schedules' occurrences have
+        their successors written first, all at once (:meth:`.Definitions.advance_many`), and those not
+        to run (stale, missed, overlapping) are acked unsent.  When the successors cannot be written,
+        none of the occurrences goes: they stay in flight and are claimed again after the visibility
+        timeout.  A copy whose schedule cannot be read (a corrupt definition or occurrence) is
+        dead-lettered: only it, never the poller, stops."""
+        candidates = [(task_id, data) for task_id, _, data in claim.items if maybe_occurrence(task_id)]
+        if not candidates:
+            return set()
         try:
-            advance = self.recurring.advance(data, claim.now_ms)
+            advances = self.recurring.advance_many([data for _, data in candidates], claim.now_ms)
         except STORE_ERRORS as exc:
-            logger.warning("task %s: cannot write its recurring schedule's next occurrence (%s): due again after "
-                           "the visibility timeout", task_id, exc)
-            return False
-        except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
-            self.delivery.dead_letter(partition, task_id, claim.stamp, data,
-                                      f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}")
-            return False
-        self.stats.add("occurrences_fired", advance.fired)
-        self.stats.add("occurrences_missed", advance.missed)
-        self.stats.add("occurrences_overlapped", advance.overlapped)
-        if not advance.goes:
-            self.delivery.drop(partition, task_id, claim.stamp, counted=advance.stale)
-        return advance.goes
+            logger.warning("cannot write the next occurrences of %d recurring schedule(s) (%s): due again after "
+                           "the visibility timeout", len(candidates), exc)
+            return {task_id for task_id, _ in candidates}
+        held_back = set()
+        for (task_id, data), advance in zip(candidates, advances):
+            self.stats.add("occurrences_fired", advance.fired)
+            self.stats.add("occurrences_missed", advance.missed)
+            self.stats.add("occurrences_overlapped", advance.overlapped)
+            if advance.fault is not None:
+                self.delivery.dead_letter(partition, task_id, claim.stamp, data, advance.fault)
+            elif not advance.goes:
+                self.delivery.drop(partition, task_id, claim.stamp, counted=advance.stale)
+            if not advance.goes:
+                held_back.add(task_id)
+        return held_back
 
     def _claims(self, due: Iterable[tuple[int, int]], tokens: dict[str, int], wanted: Counter[str]
                 ) -> Iterator[tuple[int, int, int, Claim | Fenced]]:

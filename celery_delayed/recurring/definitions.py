@@ -1,21 +1,27 @@
 """Recurring schedules' definitions in the store, and the chain of their occurrences.
 
-A definition is JSON in the ``<prefix>:{p}:recurring`` HASH of its schedule id's partition: the rule
-(:mod:`.rules` data), the message template (the stored form the client built, base64), its origin
-(``beat`` for ``beat_schedule`` entries), a version raised by every change, and the nominal time of
-its one pending occurrence (an ordinary scheduled task, :mod:`.occurrences`).
+A definition is a value of the ``<prefix>:{p}:recurring`` HASH of its schedule id's partition: a line
+of JSON, ``[version, pending ms, rule, origin]`` and, when not defaults, ``{options, paused, last ms}``
+-- a version raised by every change, the nominal time of its one pending occurrence (an ordinary
+scheduled task, :mod:`.occurrences`), the rule (:mod:`.rules` data), its origin (``beat`` for
+``beat_schedule`` entries) -- then the message template, the envelope the client built, deflated as
+stored tasks are (:func:`.envelope.deflate`).  Half the bytes of the first format, a JSON object with
+the template in base64, which is still read (and rewritten in this one by the next change).
 
 Every write is crash-safe and safe to race:
 
-- :meth:`Definitions.put` compare-and-sets the definition (``lua/recurring_put.lua``), then writes its
-  pending occurrence, then cancels the previous one.  An occurrence is stored with its definition's
-  version as its attempt number, so a newer definition's copy of an id replaces an older one's and
-  never the reverse.  A put that stopped after its compare-and-set is completed by the next put of
-  the same definition, or by any poller's start (:meth:`Definitions.sync`).
-- :meth:`Definitions.advance` runs in the poller before an occurrence is produced: it writes the
-  successor, and the poller acks the occurrence only after Kafka has it, so a poller killed at any
-  point either dispatches the occurrence again (one task id: it runs once) and writes the same
-  successor again (one derived id: kept), or has written it already.
+- :meth:`Definitions.put` compare-and-sets the definition (``lua/recurring_put.lua``) and, in the same
+  step, marks the put as pending; then writes its pending occurrence, clears the mark, and cancels the
+  previous one.  An occurrence is stored with its definition's version as its attempt number, so a
+  newer definition's copy of an id replaces an older one's and never the reverse.  A put that stopped
+  after its compare-and-set is completed by the next put of the same definition, or by any poller's
+  start (:meth:`Definitions.sync`), which completes the marked ones only: it never writes a healthy
+  schedule's occurrence again (that would supersede a copy another poller has in flight).
+- :meth:`Definitions.advance_many` runs in the poller before a claim's occurrences are produced: it
+  writes their successors (in bulk: a read of their definitions, a write of the successors, a
+  pipeline of compare-and-sets), and the poller acks an occurrence only after Kafka has it, so a
+  poller killed at any point either dispatches the occurrence again (one task id: it runs once) and
+  writes the same successor again (one derived id: kept), or has written it already.
 - An occurrence whose version is not its definition's (the schedule changed or was removed since
   it was written) is stale: dropped at dispatch, never run, no successor.  So a change racing a
   dispatch never leaves two chains: the old chain ends at its next occurrence.
@@ -26,10 +32,12 @@ import base64
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, EnvelopeError
+from celery_delayed.envelope import Envelope, EnvelopeError, deflate, inflate
 from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSION, SCHEDULE_HEADER, VERSION_HEADER,
     occurrence, occurrence_id)
 from celery_delayed.recurring.policy import Options, grace_ms
@@ -46,6 +54,8 @@ BEAT = "beat"
 PAGE = 100
 #: A schedule's options when none are given.
 DEFAULTS = Options()
+#: An occurrence :meth:`Definitions.advance_many` read: (index of its message, schedule id, version, nominal ms).
+Due = tuple[int, str, Any, Any]
 
 
 @dataclass(frozen=True)
@@ -70,9 +80,24 @@ class Definition:
         """The task id of the pending occurrence."""
         return None if self.pending_ms is None else occurrence_id(self.schedule_id, self.pending_ms)
 
+    @cached_property
+    def parsed_options(self) -> Options:
+        """:attr:`options` as :class:`.Options` (and :attr:`parsed_rule`, the rule): parsed once however
+        often a poller's advance asks."""
+        return Options.of(self.options)
+
+    @cached_property
+    def parsed_rule(self) -> Rule:
+        return rule_from_data(self.rule)
+
+    @cached_property
+    def envelope(self) -> Envelope:
+        """The template, decoded."""
+        return Envelope.decode(self.template)
+
     @property
     def task_name(self) -> str:
-        return Envelope.decode(self.template).task_name
+        return self.envelope.task_name
 
     def describe(self) -> dict[str, Any]:
         """What an operator reads of it (``delayed schedules show``, ``--json``): plain data."""
@@ -82,29 +107,35 @@ class Definition:
                 "version": self.version, "paused": self.paused, "next_ms": self.pending_ms,
                 "next_id": self.pending_id, "options": self.options, "last_ms": self.last_ms}
 
-    def encode(self) -> str:
-        fields = {"rule": self.rule, "template": base64.b64encode(self.template).decode(), "origin": self.origin,
-                  "version": self.version, "pending_ms": self.pending_ms}
-        extra = {"options": self.options, "paused": self.paused, "last_ms": self.last_ms}
-        return json.dumps({**fields, **{name: value for name, value in extra.items() if value}},
-                          separators=(",", ":"))
+    def encode(self) -> bytes:
+        extra = {name: value for name, value in (("options", self.options), ("paused", self.paused),
+                                                 ("last_ms", self.last_ms)) if value}
+        head = [self.version, self.pending_ms, self.rule, self.origin, *([extra] if extra else [])]
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + deflate(self.template, 0)
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
-        """The stored definition, its rule, options and template read through: :class:`UnreadableDefinition`
-        when any of them cannot be (corrupt JSON, a field missing or of another type)."""
+        """The stored definition, its rule, options and template read through (either format):
+        :class:`UnreadableDefinition` when any of them cannot be (corrupt, a field missing or of another
+        type)."""
         try:
-            fields = json.loads(data)
-            held = cls(schedule_id, fields["rule"], base64.b64decode(fields["template"], validate=True),
-                       fields["origin"], fields["version"], fields["pending_ms"], fields.get("options", {}),
-                       fields.get("paused", False), fields.get("last_ms"))
+            if data[:1] == b"{":  # the first format: one JSON object, the template in base64
+                fields = json.loads(data)
+                template = base64.b64decode(fields.pop("template"), validate=True)
+            else:
+                head, _, template = data.partition(b"\n")
+                version, pending_ms, rule, origin, *extra = json.loads(head)
+                fields = {"version": version, "pending_ms": pending_ms, "rule": rule, "origin": origin,
+                          **(extra[0] if extra else {})}
+                template = inflate(template)
+            held = cls(schedule_id, fields["rule"], template, fields["origin"], fields["version"],
+                       fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
+                       fields.get("last_ms"))
             if not (type(held.version) is int and isinstance(held.origin, str) and isinstance(held.paused, bool)
                     and all(ms is None or (type(ms) is int and 0 <= ms < MAX_DUE_MS)
                             for ms in (held.pending_ms, held.last_ms))):
                 raise TypeError("version, origin, paused, pending_ms or last_ms of another type or range")
-            rule_from_data(held.rule)
-            Options.of(held.options)
-            Envelope.decode(held.template)
+            held.parsed_rule, held.parsed_options, held.envelope  # noqa: B018 -- read through, once (cached)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UnreadableDefinition(f"recurring schedule {schedule_id!r} is unreadable in the store "
                                        f"({type(exc).__name__}: {exc})") from None
@@ -118,25 +149,27 @@ class UnreadableDefinition(ValueError):
 
 @dataclass(frozen=True)
 class Advance:
-    """What :meth:`Definitions.advance` decided for a claimed copy: whether it goes to Kafka, and what
+    """What :meth:`Definitions.advance_many` decided for a claimed copy: whether it goes to Kafka, and what
     it counts, once per occurrence (by the copy that moved the chain on; a run-now one at each dispatch):
     ``fired``, sent to run; ``missed``, the schedule's times that never run; ``overlapped``, not run,
-    the previous occurrence still running; ``stale``, dropped."""
+    the previous occurrence still running; ``stale``, dropped; ``fault``, why its schedule cannot
+    advance (a corrupt definition or occurrence): the poller dead-letters that copy alone."""
 
     goes: bool
     fired: bool = False
     missed: int = 0
     overlapped: bool = False
     stale: bool = False
+    fault: str | None = None
 
 
-#: What :meth:`Definitions.advance` answers for a copy that is no occurrence of ours.
+#: What :meth:`Definitions.advance_many` answers for a copy that is no occurrence of ours.
 NOT_AN_OCCURRENCE = Advance(True)
 
 
 class Definitions:
     """The recurring schedules of one store: read, put, pause, resume, run now, remove, list, sync; the
-    poller's :meth:`advance`."""
+    poller's :meth:`advance_many`."""
 
     def __init__(self, store: DelayedStore) -> None:
         self.store = store
@@ -144,8 +177,25 @@ class Definitions:
 
     def get(self, schedule_id: str) -> Definition | None:
         """The definition of ``schedule_id`` (None: none); :class:`UnreadableDefinition` if it is corrupt."""
-        data = self.store.redis.hget(self._key(schedule_id), schedule_id)
-        return None if data is None else Definition.decode(schedule_id, data)
+        return self.get_many([schedule_id])[0]
+
+    def get_many(self, schedule_ids: Sequence[str]) -> list[Definition | None]:
+        """The definitions of ``schedule_ids`` (None: no such schedule), in one round trip;
+        :class:`UnreadableDefinition` if one is corrupt."""
+        return [None if data is None else Definition.decode(schedule_id, data)
+                for schedule_id, data in zip(schedule_ids, self._stored_many(schedule_ids))]
+
+    def _stored_many(self, schedule_ids: Sequence[str]) -> list[bytes | None]:
+        """The stored definitions of ``schedule_ids`` as they are (None: none), in one round trip."""
+        by_key: dict[str, list[str]] = {}
+        for schedule_id in schedule_ids:
+            by_key.setdefault(self._key(schedule_id), []).append(schedule_id)
+        pipe = self.store.redis.pipeline(transaction=False)
+        for key, ids in by_key.items():
+            pipe.hmget(key, ids)
+        found = {schedule_id: data for ids, held in zip(by_key.values(), self.store.execute(pipe))
+                 for schedule_id, data in zip(ids, held)}
+        return [found[schedule_id] for schedule_id in schedule_ids]
 
     def all(self) -> list[Definition]:
         """Every readable definition, partition by partition (each unreadable one logged)."""
@@ -183,10 +233,12 @@ class Definitions:
         schedule would end before its first time."""
         data, wanted = rule_data(rule), options.data()
         while True:
-            held = self.get(schedule_id)
+            held, putting = self._read(schedule_id)
             if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template,
                                                                                              origin, wanted):
-                self._write_pending(held)  # a put that stopped after its compare-and-set, completed
+                if putting is not None:  # a put that stopped after its compare-and-set (or one since superseded)
+                    self._write_pending([held] if putting == held.version else [])
+                    self._clear_marks([(schedule_id, putting)])
                 return held
             first = options.first(rule, self.store.now_ms())
             if first is None:
@@ -195,9 +247,10 @@ class Definitions:
                 raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
             new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
                              held is not None and held.paused)
-            if self._compare_and_set(schedule_id, held.version if held else 0, new):
+            if self._compare_and_set(schedule_id, held.version if held else 0, new, pending=True):
                 break
-        self._write_pending(new)
+        self._write_pending([new])
+        self._clear_marks([(schedule_id, new.version)])
         self._cancel_replaced(held, new)
         logger.info("recurring schedule %s: version %d, next at %s ms", schedule_id, new.version, new.pending_ms)
         return new
@@ -238,12 +291,13 @@ class Definitions:
         missed, and the poller dispatches it by the schedule's misfire policy.  None when there is none."""
         while (held := self.get(schedule_id)) is not None and held.paused:
             resumed = replace(held, version=held.version + 1, paused=False)
-            if self._compare_and_set(schedule_id, held.version, resumed):
-                self._write_pending(resumed)
+            if self._compare_and_set(schedule_id, held.version, resumed, pending=True):
+                self._write_pending([resumed])
+                self._clear_marks([(schedule_id, resumed.version)])
                 logger.info("recurring schedule %s resumed, next at %s ms", schedule_id, resumed.pending_ms)
                 return resumed
         if held is not None:
-            self._write_pending(held)  # a resume that stopped after its compare-and-set, completed
+            self._write_pending([held])  # a resume that stopped after its compare-and-set, completed
         return held
 
     def run_now(self, schedule_id: str) -> str | None:
@@ -253,18 +307,19 @@ class Definitions:
         if held is None:
             return None
         now = self.store.now_ms()
-        task_id, message = occurrence(Envelope.decode(held.template), schedule_id, RUN_NOW_VERSION, now,
+        task_id, message = occurrence(held.envelope, schedule_id, RUN_NOW_VERSION, now,
                                       self.store.settings.compress_min_bytes)
         self.store.schedule(task_id, now, message)
         logger.info("recurring schedule %s: run now as task %s", schedule_id, task_id)
         return task_id
 
     def sync(self, entries: dict[str, tuple[bytes, Rule, Options]], origin: str = BEAT) -> None:
-        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): put
-        each, remove the others of that origin, and write every other schedule's pending occurrence again
-        (harmless: derived ids), which completes a put that stopped after its compare-and-set.  An entry
-        that cannot be put (it ended, starts beyond the store's range) is logged and removed as one no
-        longer configured, one whose stored copy is unreadable logged and left: the others are synced."""
+        """Make the schedules of ``origin`` be ``entries`` (schedule id -> template, rule, options): complete
+        the puts that stopped after their compare-and-set (:meth:`complete_puts`), put each entry, and
+        remove the others of that origin.  An entry that cannot be put (it ended, starts beyond the
+        store's range) is logged and removed as one no longer configured, one whose stored copy is
+        unreadable logged and left: the others are synced."""
+        self.complete_puts()
         synced = set()
         for schedule_id, (template, rule, options) in entries.items():
             try:
@@ -273,16 +328,34 @@ class Definitions:
             except ValueError as exc:
                 logger.error("%s: not run", exc)
         for held in self.all():
-            if held.schedule_id in synced:
-                continue
-            if held.origin == origin:
+            if held.schedule_id not in synced and held.origin == origin:
                 self.remove(held.schedule_id)
-            else:
-                self._write_pending(held)
 
-    def advance(self, message: bytes, now_ms: int) -> Advance:
-        """Before a claimed copy of a version-5 task id is produced: if it is an occurrence, write its
-        successor and point its definition at it, then say whether it goes (:class:`Advance`).
+    def complete_puts(self) -> int:
+        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
+        which marked it (``lua/recurring_put.lua``), and clear the marks; the other schedules are left
+        alone.  Returns how many occurrences were written."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for partition in range(self.store.settings.partitions):
+            pipe.hgetall(self.store.keys.recurring_putting(partition))
+        marks = {schedule_id.decode(): int(version)
+                 for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+        if not marks:
+            return 0
+        stored = {schedule_id.encode(): data for schedule_id, data in zip(marks, self._stored_many(list(marks)))
+                  if data is not None}
+        interrupted = [held for held in _readable(stored)
+                       if held.version == marks[held.schedule_id]]  # else a later write superseded it
+        self._write_pending(interrupted)
+        self._clear_marks(marks.items())
+        logger.info("%d interrupted put(s) of recurring schedules completed", len(interrupted))
+        return len(interrupted)
+
+    def advance_many(self, messages: Sequence[bytes], now_ms: int) -> list[Advance]:
+        """Before claimed copies of version-5 task ids are produced: for each that is an occurrence, write
+        its successor and point its definition at it, then say whether it goes (:class:`Advance`, one per
+        message, in order).  In bulk: one read of the definitions, one write of the successors, one
+        pipeline of compare-and-sets (two occurrences of one schedule: one after the other).
 
         The successor is the rule's next time after the occurrence's nominal time, or after a later
         instant that the schedule's misfire policy chooses when the occurrence is late
@@ -291,53 +364,103 @@ class Definitions:
         An occurrence that does not go is acked unsent: a stale one (of another version than its
         definition's: the schedule changed, paused or removed since it was written; it has no
         successor), a missed one, or one that would overlap the previous run.  A run-now copy goes, out
-        of the chain.  A store error is raised: the copy then stays in flight, and is claimed again
+        of the chain.  A store error is raised: the copies then stay in flight, and are claimed again
         after the visibility timeout."""
-        try:
-            headers = Envelope.decode(message).headers
-        except EnvelopeError:
-            return NOT_AN_OCCURRENCE  # not an occurrence of ours: the poller's routing parks it
-        schedule_id = headers.get(SCHEDULE_HEADER)
-        if schedule_id is None:
-            return NOT_AN_OCCURRENCE
-        if headers.get(VERSION_HEADER) == RUN_NOW_VERSION:
-            return Advance(True, fired=True)
-        held = self.get(schedule_id)
-        if held is None or held.version != headers.get(VERSION_HEADER):
-            logger.info("occurrence %s of recurring schedule %s (version %s) is stale: dropped, not run",
-                        headers.get("id"), schedule_id, headers.get(VERSION_HEADER))
-            return Advance(False, stale=True)
-        nominal, options, rule = headers[NOMINAL_HEADER], Options.of(held.options), rule_from_data(held.rule)
-        misfire = options.misfire_of(rule, schedule_id, nominal, now_ms, self.grace_ms)
-        overlapped = misfire.runs and not options.overlap and self._running(held, now_ms)
-        runs = misfire.runs and not overlapped
-        successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
-                            last_ms=nominal if runs and not options.overlap else held.last_ms)
-        advanced = False  # whether this copy moved the chain on: counted once, not at each dispatch of it
-        if successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms:
-            self._write_pending(successor)  # else the chain went past it: a copy dispatched again after a crash
-            advanced = self._compare_and_set(schedule_id, held.version, successor, forward=True)
-        if advanced and (misfire.missed or overlapped):
-            logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
-                        schedule_id, nominal, "runs" if runs else "does not run", misfire.missed, successor.pending_ms)
-        return Advance(runs, fired=runs and advanced, missed=misfire.missed if advanced else 0,
-                       overlapped=overlapped and advanced)
+        found: list[Advance] = [NOT_AN_OCCURRENCE] * len(messages)
+        waiting: list[Due] = []
+        for index, message in enumerate(messages):
+            try:
+                headers = Envelope.decode(message).headers
+            except EnvelopeError:
+                continue  # not an occurrence of ours: the poller's routing parks it
+            schedule_id = headers.get(SCHEDULE_HEADER)
+            if schedule_id is None:
+                continue
+            if headers.get(VERSION_HEADER) == RUN_NOW_VERSION:
+                found[index] = Advance(True, fired=True)
+            else:
+                waiting.append((index, schedule_id, headers.get(VERSION_HEADER), headers.get(NOMINAL_HEADER)))
+        while waiting:  # a schedule's second occurrence waits for the chain its first moved
+            now: list[Due] = []
+            later: list[Due] = []
+            seen = set()
+            for item in waiting:
+                (later if item[1] in seen else now).append(item)
+                seen.add(item[1])
+            for (index, *_), advance in zip(now, self._advance_round(now, now_ms)):
+                found[index] = advance
+            waiting = later
+        return found
 
-    def _running(self, held: Definition, now_ms: int) -> bool:
-        """Whether the last occurrence dispatched to run may still be running: a worker holds its run
-        claim, or it did not finish (no finished record) and was due less than the grace ago (on its way
-        to a worker, or waiting for one)."""
-        if held.last_ms is None:
-            return False
-        task_id, redis = occurrence_id(held.schedule_id, held.last_ms), self.store.redis
-        return bool(redis.exists(self.store.keys.run(task_id))) or (
-            now_ms - held.last_ms < self.grace_ms and not redis.exists(self.store.keys.done(task_id)))
+    def _advance_round(self, occurrences: list[Due], now_ms: int) -> list[Advance]:
+        """:meth:`advance_many` of occurrences of distinct schedules."""
+        faults: dict[str, str] = {}  # schedule id -> why it cannot advance
+        live, misfires = [], []
+        for (_, schedule_id, version, nominal), data in zip(
+                occurrences, self._stored_many([schedule_id for _, schedule_id, _, _ in occurrences])):
+            try:
+                held = None if data is None else Definition.decode(schedule_id, data)
+                if held is not None and held.version == version:
+                    misfires.append(held.parsed_options.misfire_of(held.parsed_rule, schedule_id, nominal, now_ms,
+                                                                   self.grace_ms))
+                    live.append((held, nominal))
+            except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
+                faults[schedule_id] = f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}"
+        running = self._running([held for (held, _), misfire in zip(live, misfires)
+                                 if misfire.runs and not held.parsed_options.overlap], now_ms)
+        steps = {}  # schedule id -> (held, successor, runs, overlapped, misfire, whether it moves the chain)
+        for (held, nominal), misfire in zip(live, misfires):
+            overlapped = held.schedule_id in running
+            runs = misfire.runs and not overlapped
+            successor = replace(held, pending_ms=self._next(held, misfire.after_ms),
+                                last_ms=nominal if runs and not held.parsed_options.overlap else held.last_ms)
+            # not when the chain went past it: a copy dispatched again after a crash
+            moves = successor.pending_ms is None or held.pending_ms is None or successor.pending_ms >= held.pending_ms
+            steps[held.schedule_id] = (held, successor, runs, overlapped, misfire, moves)
+        moving = [(held, successor) for held, successor, _, _, _, moves in steps.values() if moves]
+        self._write_pending([successor for _, successor in moving])
+        advanced = self._compare_and_set_many([(held.version, successor) for held, successor in moving])
+        results = []
+        for _, schedule_id, version, nominal in occurrences:
+            if schedule_id in faults:
+                results.append(Advance(False, fault=faults[schedule_id]))
+                continue
+            if schedule_id not in steps:
+                logger.info("occurrence at %s ms of recurring schedule %s (version %s) is stale: dropped, not run",
+                            nominal, schedule_id, version)
+                results.append(Advance(False, stale=True))
+                continue
+            held, successor, runs, overlapped, misfire, _ = steps[schedule_id]
+            moved = advanced.get(schedule_id, False)  # whether this copy moved the chain on: counted once
+            if moved and (misfire.missed or overlapped):
+                logger.info("recurring schedule %s: occurrence at %d ms %s, %d time(s) missed, next at %s ms",
+                            schedule_id, nominal, "runs" if runs else "does not run", misfire.missed,
+                            successor.pending_ms)
+            results.append(Advance(runs, fired=runs and moved, missed=misfire.missed if moved else 0,
+                                   overlapped=overlapped and moved))
+        return results
+
+    def _running(self, helds: list[Definition], now_ms: int) -> set[str]:
+        """The schedules (of ``helds``) whose last occurrence dispatched to run may still be running: a
+        worker holds its run claim, or it did not finish (no finished record) and was due less than the
+        grace ago (on its way to a worker, or waiting for one).  One round trip."""
+        lasts = [(held.schedule_id, held.last_ms) for held in helds if held.last_ms is not None]
+        if not lasts:
+            return set()
+        pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
+        for schedule_id, last_ms in lasts:
+            task_id = occurrence_id(schedule_id, last_ms)
+            pipe.exists(keys.run(task_id))
+            pipe.exists(keys.done(task_id))
+        replies = self.store.execute(pipe)
+        return {schedule_id for (schedule_id, last_ms), claimed, done in zip(lasts, replies[::2], replies[1::2])
+                if claimed or (now_ms - last_ms < self.grace_ms and not done)}
 
     def _next(self, held: Definition, after_ms: int) -> int | None:
         """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
         for years (its chain ends)."""
         try:
-            return Options.of(held.options).within(rule_from_data(held.rule).next_after(after_ms))
+            return held.parsed_options.within(held.parsed_rule.next_after(after_ms))
         except ValueError as exc:
             logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
             return None
@@ -347,22 +470,65 @@ class Definitions:
         if held is not None and held.pending_id is not None and (new is None or held.pending_id != new.pending_id):
             self.store.cancel(held.pending_id)
 
-    def _write_pending(self, definition: Definition) -> None:
-        """Store the pending occurrence of ``definition``, if it has one and is not paused (kept if it is
-        there; a copy of an older version, or one in flight, is replaced)."""
-        if definition.pending_ms is None or definition.paused:
-            return
-        task_id, message = occurrence(Envelope.decode(definition.template), definition.schedule_id,
-                                      definition.version, definition.pending_ms, self.store.settings.compress_min_bytes)
-        due_ms = Options.of(definition.options).due_ms(definition.schedule_id, definition.pending_ms)
-        self.store.schedule(task_id, due_ms, message, attempt=definition.version)
+    def _write_pending(self, definitions: Iterable[Definition]) -> None:
+        """Store the pending occurrence of each of ``definitions`` that has one and is not paused (kept if
+        it is there; a copy of an older version, or one in flight, is replaced), in bulk."""
+        compress = self.store.settings.compress_min_bytes
+        items, attempts = [], []
+        for definition in definitions:
+            if definition.pending_ms is None or definition.paused:
+                continue
+            task_id, message = occurrence(definition.envelope, definition.schedule_id, definition.version,
+                                          definition.pending_ms, compress)
+            items.append((task_id, definition.parsed_options.due_ms(definition.schedule_id, definition.pending_ms),
+                          message, definition.envelope.queue))
+            attempts.append(definition.version)
+        if items:
+            self.store.schedule_attempts(items, attempts)
 
-    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None, forward: bool = False) -> bool:
-        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none), and with
-        ``forward`` only if it moves the pending occurrence later (or ends the chain)."""
-        return bool(self.store.scripts["recurring_put"](keys=[self._key(schedule_id)],
-                                                        args=[schedule_id, version, new.encode() if new else "",
-                                                              "1" if forward else ""]))
+    def _read(self, schedule_id: str) -> tuple[Definition | None, int | None]:
+        """A schedule's definition, and the version of its put still pending (:meth:`complete_puts`), if
+        any, in one round trip."""
+        partition = self.store.partition(schedule_id)
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.hget(self.store.keys.recurring(partition), schedule_id)
+        pipe.hget(self.store.keys.recurring_putting(partition), schedule_id)
+        data, putting = self.store.execute(pipe)
+        return (None if data is None else Definition.decode(schedule_id, data),
+                None if putting is None else int(putting))
+
+    def _clear_marks(self, marks: Iterable[tuple[str, int]]) -> None:
+        """Clear the pending-put marks ``(schedule id, version)`` whose occurrence is written
+        (``lua/recurring_put_done.lua``), each unless a later put marked its schedule again."""
+        by_partition: dict[int, list[Any]] = {}
+        for schedule_id, version in marks:
+            by_partition.setdefault(self.store.partition(schedule_id), []).extend((schedule_id, version))
+        pipe = self.store.redis.pipeline(transaction=False)
+        for partition, args in by_partition.items():
+            self.store.scripts["recurring_put_done"](keys=[self.store.keys.recurring_putting(partition)], args=args,
+                                                     client=pipe)
+        self.store.execute(pipe)
+
+    def _compare_and_set(self, schedule_id: str, version: int, new: Definition | None, pending: bool = False) -> bool:
+        """Write ``new`` (None: delete) if the stored definition is at ``version`` (0: none); ``pending``:
+        and mark the put as pending until its occurrence is written (:meth:`_clear_marks`)."""
+        partition = self.store.partition(schedule_id)
+        return bool(self.store.scripts["recurring_put"](
+            keys=[self.store.keys.recurring(partition), self.store.keys.recurring_putting(partition)],
+            args=[schedule_id, version, new.encode() if new else "", "", new.version if new and pending else ""]))
+
+    def _compare_and_set_many(self, changes: list[tuple[int, Definition]]) -> dict[str, bool]:
+        """Advance each chain: write each ``(version read, successor)`` if the stored definition is at that
+        version and the successor moves its pending occurrence later (or ends the chain), in one
+        pipeline; schedule id -> whether written."""
+        if not changes:
+            return {}
+        pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
+        for version, new in changes:
+            partition = self.store.partition(new.schedule_id)
+            self.store.scripts["recurring_put"](keys=[keys.recurring(partition), keys.recurring_putting(partition)],
+                                                args=[new.schedule_id, version, new.encode(), "1", ""], client=pipe)
+        return {new.schedule_id: bool(done) for (_, new), done in zip(changes, self.store.execute(pipe))}
 
     def _key(self, schedule_id: str) -> str:
         return self.store.keys.recurring(self.store.partition(schedule_id))

@@ -27,7 +27,7 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator, Sized
+from typing import Any, Callable, Iterable, Iterator, Sequence, Sized
 
 import redis
 
@@ -154,9 +154,16 @@ class DelayedStore(Inspection):
                 added += self._stored(future.result(), size, progress)
         return added
 
-    def _schedule_pipelines(self, items: Iterable[Item], attempt: int = 0
+    def schedule_attempts(self, items: Sequence[Item], attempts: Sequence[int]) -> int:
+        """Store ``items`` as :meth:`schedule_many` does, item ``i`` as attempt number ``attempts[i]`` (as
+        :meth:`schedule` stores one), a pipeline per :data:`SCHEDULE_BATCH`; returns how many were stored."""
+        return sum(self._stored(self._send(pipe), size, None)
+                   for pipe, size in self._schedule_pipelines(items, attempts=attempts))
+
+    def _schedule_pipelines(self, items: Iterable[Item], attempt: int = 0, attempts: Sequence[int] | None = None
                             ) -> Iterator[tuple[redis.client.Pipeline, int]]:
-        """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size."""
+        """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size.
+        Each item is attempt number ``attempt``, or with ``attempts`` its own (by its index in ``items``)."""
         done = 0
         for batch in _chunks(items, SCHEDULE_BATCH):
             by_partition: dict[int, list] = {}
@@ -168,7 +175,8 @@ class DelayedStore(Inspection):
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index, queue)
                 by_partition.setdefault(self.partition(task_id), []).extend(
-                    (member_of(task_id), due_ms, attempt, stored_message(due_ms, data, queue)))
+                    (member_of(task_id), due_ms, attempt if attempts is None else attempts[done + index],
+                     stored_message(due_ms, data, queue)))
             pipe = self.redis.pipeline(transaction=False)
             for p, flat in by_partition.items():
                 for start in range(0, len(flat), SCHEDULE_CHUNK * 4):

@@ -33,6 +33,8 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{p}:keys", "HASH", "replace-by-key key -> the task id scheduled under it"),
     ("<prefix>:{p}:recurring", "HASH",
      "recurring schedule id -> its definition (JSON: rule, message template, version, pending occurrence)"),
+    ("<prefix>:{p}:recurring:putting", "HASH",
+     "recurring schedule id -> the version of a put whose pending occurrence is not yet written"),
     ("<prefix>:{p}:wait", "STRING",
      "a short-lived write after which WAIT/WAITAOF confirms a cluster node's replication"),
     ("<prefix>:run:{<crc>}<id>", "STRING", "run claim: the worker running the task id, leased"),
@@ -118,6 +120,9 @@ class Keys:
 
     def recurring(self, partition: int) -> str:
         return self.of(partition, "recurring")
+
+    def recurring_putting(self, partition: int) -> str:
+        return self.of(partition, "recurring:putting")
 
     def wait_probe(self, partition: int) -> str:
         return self.of(partition, "wait")

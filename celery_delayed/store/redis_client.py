@@ -6,10 +6,12 @@ partition's keys share a ``{p}`` hash tag (one slot, one node).  Two things
 redis-py does not do on a cluster are done here:
 
 - a Lua script in a pipeline: ``ClusterPipeline`` refuses ``EVALSHA`` (a node
-  that never loaded the script would answer NOSCRIPT in mid-batch).
-  :class:`Script` queues it anyway and :func:`execute` loads a missing script
-  on every primary and sends again just the commands that got NOSCRIPT (a
-  restarted or failed-over node has an empty script cache);
+  that never loaded the script would answer NOSCRIPT in mid-batch), and a
+  standalone ``Pipeline`` asks ``SCRIPT EXISTS`` before every batch (one more
+  round trip each).  :class:`Script` queues ``EVALSHA`` in both, and
+  :func:`execute` loads a missing script (on every primary) and sends again
+  just the commands that got NOSCRIPT (a restarted or failed-over node has an
+  empty script cache), with the waits for replicas queued after them;
 - errors: a cluster that is down or cannot be reached raises errors outside
   redis-py's ``ConnectionError``; :data:`UNREACHABLE` lists them all, and
   :func:`refusal` tells a Redis that answers but refuses the command (full,
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 import redis
+from redis.client import Pipeline
 from redis.cluster import ClusterPipeline
 from redis.commands.core import Script as RedisScript
 from redis.exceptions import (ClusterError, NoPermissionError, NoScriptError, OutOfMemoryError, ReadOnlyError,
@@ -50,6 +53,8 @@ _SCRIPT_NOPERM = "The user executing the script can't run this command"
 #: when all are busy (then ``ConnectionError``, a store error): a green or threads worker of -c 200
 #: whose tasks retry at once shares them, where redis-py's default pool refuses the 101st at once.
 POOL_SIZE, POOL_WAIT = 100, 20.0
+#: The commands that wait for a pipeline's writes to reach replicas or disk.
+WAITS = ("WAIT", "WAITAOF")
 #: Script source by SHA-1, to load a script again on a node that lost it.
 _SOURCES: dict[str, str] = {}
 
@@ -88,7 +93,7 @@ class Script(RedisScript):
     def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None,
                  client: Any = None) -> Any:
         """Run the script, or queue it when ``client`` is a pipeline."""
-        if isinstance(client, ClusterPipeline):  # routed by the first key, like any keyed command
+        if isinstance(client, (ClusterPipeline, Pipeline)):  # routed by the first key, like any keyed command
             keys = list(keys or [])
             return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *(args or []))
         return super().__call__(keys, args, client)
@@ -97,21 +102,23 @@ class Script(RedisScript):
 def execute(client: redis.Redis | redis.RedisCluster, pipe: Any) -> list:
     """Run ``pipe`` (a pipeline of ``client``) and return its replies; raise its first error.
 
-    On a cluster, commands answered NOSCRIPT did not run: their scripts are
-    loaded on every primary (``SCRIPT LOAD`` goes to all of them) and those
-    commands alone are sent again, so no script runs twice.
+    Commands answered NOSCRIPT did not run: their scripts are loaded (on a
+    cluster, on every primary: ``SCRIPT LOAD`` goes to all of them) and those
+    commands alone are sent again, so no script runs twice; a ``WAIT`` or
+    ``WAITAOF`` queued after one is sent again after them, so that it counts
+    their writes too.
     """
-    if not isinstance(pipe, ClusterPipeline):
-        return pipe.execute()
-    queued = [command.args for command in pipe._execution_strategy.command_queue]  # redis-py >= 6.2; no public way
+    queued = ([command.args for command in pipe._execution_strategy.command_queue]  # redis-py >= 6.2; no public way
+              if isinstance(pipe, ClusterPipeline) else [args for args, _ in pipe.command_stack])
     replies = pipe.execute(raise_on_error=False)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if missing:
         for sha in {queued[i][1] for i in missing}:
             client.script_load(_SOURCES[sha])
-        for i in missing:
+        again = missing + [i for i in range(missing[0], len(queued)) if str(queued[i][0]).upper() in WAITS]
+        for i in again:
             pipe.execute_command(*queued[i])
-        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
+        for i, reply in zip(again, pipe.execute(raise_on_error=False)):
             replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):

@@ -17,7 +17,7 @@ from celery_delayed.store.dlq import DeadLetter, DeadLetters
 from celery_delayed.store.durability import preflight, worker_preflight
 from celery_delayed.store.outcomes import StoreNotDurable
 
-from .support import envelopes, run_briefly
+from .support import envelopes, own_redis, run_briefly
 from .test_poller import now_ms
 
 
@@ -122,3 +122,22 @@ def test_schedule_wait_for_the_aof_says_which_redis_it_needs(overrides):
     with pytest.raises(ConfigurationError, match=rf"needs WAITAOF, new in Redis 7.2; the store's Redis is {version}"):
         store.schedule_many(envelopes(1, "q", now_ms() + 60_000))
     assert store.get("task-0") is None  # refused before anything was written
+
+
+def test_a_pipeline_of_scripts_asks_no_script_exists_and_a_script_the_redis_lost_runs_once(overrides, tmp_path):
+    """A standalone pipeline of scripts is sent as EVALSHAs alone (no SCRIPT EXISTS round trip before
+    each); after the Redis lost its scripts (a restart), those it refused are loaded and sent again, each
+    once, with the wait for replicas that followed them (``delayed_schedule_wait``)."""
+    with own_redis(tmp_path / "redis") as client:
+        port = client.connection_pool.connection_kwargs["port"]
+        store = DelayedStore(Settings.from_conf({**overrides, "delayed_redis_url": f"redis://127.0.0.1:{port}/0",
+                                                 "delayed_schedule_wait": "replicas=0"}))
+        due = now_ms() + 60_000
+        assert store.schedule_many(envelopes(50, "q", due, prefix="before")) == 50
+        client.script_flush()
+        client.config_resetstat()
+        assert store.schedule_many(envelopes(3000, "q", due)) == 3000  # a second run of any script would count 0
+        stats = client.info("commandstats")
+        assert "cmdstat_script|exists" not in stats
+        assert stats["cmdstat_wait"]["calls"] >= 2  # each pipeline's, and the one sent again after the scripts
+        assert sum(r["scheduled"] for r in store.counts()) == 3050

@@ -34,7 +34,7 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
     for name in ("early", "typed", "late", "fine"):
         schedules.upsert(name, app.signature("tasks.demo.tick", args=(f"{run}-{name}",)), PERIOD_MS / 1000)
 
-    def corrupt(name: str, value: str) -> None:
+    def corrupt(name: str, value: str | bytes) -> None:
         store.redis.hset(store.keys.recurring(store.partition(name)), name, value)
 
     def parked(name: str) -> list[str]:
@@ -42,8 +42,9 @@ def test_a_corrupt_definition_parks_its_occurrence_and_no_poller_stops(overrides
                 if f"recurring schedule '{name}' is unreadable" in letter.reason]
 
     corrupt("early", '{"rule":{"every_ms":1000')
-    typed = json.loads(store.redis.hget(store.keys.recurring(store.partition("typed")), "typed"))
-    corrupt("typed", json.dumps({**typed, "pending_ms": "soon"}))
+    head, _, template = store.redis.hget(store.keys.recurring(store.partition("typed")), "typed").partition(b"\n")
+    version, _, *rest = json.loads(head)  # the stored definition's first line: [version, pending_ms, ...]
+    corrupt("typed", json.dumps([version, "soon", *rest]).encode() + b"\n" + template)
     ticks = Ticks(store.settings, f"{run}-fine")
     processes.worker()
     poller = processes.poller()

@@ -29,6 +29,7 @@ BUILT = {
     "<prefix>:{p}:cancelled:<request>": K.cancelled("p", "<request>"),
     "<prefix>:{p}:keys": K.key_index("p"),
     "<prefix>:{p}:recurring": K.recurring("p"),
+    "<prefix>:{p}:recurring:putting": K.recurring_putting("p"),
     "<prefix>:{p}:wait": K.wait_probe("p"),
     "<prefix>:run:{<crc>}<id>": K.run("<id>"),
     "<prefix>:revoked:{<crc>}<id>": K.revoked("<id>"),

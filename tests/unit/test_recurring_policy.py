@@ -2,6 +2,7 @@
 runs of a late occurrence (fixed clocks, no servers)."""
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ from celery.schedules import crontab
 
 from celery_delayed.envelope import Envelope
 from celery_delayed.recurring.definitions import Definition, UnreadableDefinition
+from celery_delayed.recurring.occurrences import TEMPLATE_ID
 from celery_delayed.recurring.policy import Misfire, Options, count_between
 from celery_delayed.recurring.rules import Every, rule_of
 
@@ -97,11 +99,31 @@ def test_a_definition_stores_its_options_and_states_only_when_not_defaults():
     template = Envelope(task_id="t", queue="q", headers={"task": "tasks.demo.add"}, body=b"[[], {}, {}]",
                         content_type="application/json", content_encoding="utf-8").encode()
     plain = Definition("s", {"every_ms": 1000, "anchor_ms": 0}, template, "api", 1, 5000)
-    assert set(json.loads(plain.encode())) == {"rule", "template", "origin", "version", "pending_ms"}
+    head, _, stored_template = plain.encode().partition(b"\n")
+    assert json.loads(head) == [1, 5000, {"every_ms": 1000, "anchor_ms": 0}, "api"]
     ended = replace(plain, pending_ms=None, options={"misfire": "once"}, paused=True, last_ms=4000)
-    assert Definition.decode("s", ended.encode().encode()) == ended and ended.pending_id is None
-    for corrupt in (b'{"rule":', b"[1, 2]", plain.encode().replace("template", "templat").encode(),
-                    json.dumps({**json.loads(plain.encode()), "options": {"misfire": "never"}}).encode(),
-                    json.dumps({**json.loads(plain.encode()), "pending_ms": "abc"}).encode()):
+    assert Definition.decode("s", ended.encode()) == ended and ended.pending_id is None
+    first = {"rule": plain.rule, "template": base64.b64encode(template).decode(), "origin": "api", "version": 1,
+             "pending_ms": 5000}
+    for corrupt in (b'{"rule":', b"[1, 2]", b"[1, 5000]\n" + stored_template,
+                    json.dumps({**first, "template": None}).encode(),
+                    head.replace(b'"api"', b'"api",{"options":{"misfire":"never"}}') + b"\n" + stored_template,
+                    head.replace(b"5000", b'"abc"') + b"\n" + stored_template,
+                    head + b"\n\x02damaged"):
         with pytest.raises(UnreadableDefinition, match="recurring schedule 's' is unreadable in the store"):
             Definition.decode("s", corrupt)
+
+
+def test_a_definition_stores_its_template_deflated_and_reads_the_first_format_too():
+    """The template as stored tasks are (deflated: a fraction of its base64), and a definition written
+    by the first release (one JSON object, the template in base64) still reads the same."""
+    template = Envelope(task_id=TEMPLATE_ID, queue="celery", headers={"task": "tasks.digest", "argsrepr": "(42,)"},
+                        body=b'[[42], {}, {"callbacks": null, "errbacks": null, "chain": null, "chord": null}]',
+                        content_type="application/json", content_encoding="utf-8").encode()
+    definition = Definition("s", {"cron": "0 7 * * *", "tz": "Europe/Paris"}, template, "api", 3, 5000,
+                            {"misfire": "skip"}, last_ms=4000)
+    stored = definition.encode()
+    assert len(stored) < len(template) and Definition.decode("s", stored) == definition
+    first = json.dumps({"rule": definition.rule, "template": base64.b64encode(template).decode(), "origin": "api",
+                        "version": 3, "pending_ms": 5000, "options": {"misfire": "skip"}, "last_ms": 4000})
+    assert Definition.decode("s", first.encode()) == definition

@@ -117,7 +117,8 @@ def test_an_envelope_an_older_version_stored_behind_no_lane_head_is_dead_lettere
     now = int(time.time() * 1000)
     old = {f"{tag}-not-utf8": b"\0\xff\xfe", f"{tag}-cut-short": b"\0\x09cut", f"{tag}-both": b"\0\x02\xff"}
     with monkeypatch.context() as older:  # how versions before the empty lane head stored these
-        older.setattr(delayed, "stored_message", lambda due_ms, data: bucket_of(due_ms).to_bytes(4, "big") + data)
+        older.setattr(delayed, "stored_message",
+                       lambda due_ms, data, queue=None: bucket_of(due_ms).to_bytes(4, "big") + data)
         store.schedule_many([(task_id, now, data) for task_id, data in old.items()])
     store.schedule_many(envelopes(8, queue, now))
     poller = processes.poller()

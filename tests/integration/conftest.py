@@ -93,10 +93,13 @@ def store_redis(request, services) -> dict:
 
 @pytest.fixture
 def overrides(services, store_redis) -> dict:
-    """Celery settings that isolate this test: own prefixes, group and broker queue."""
+    """Celery settings that isolate this test: own prefixes, group, broker queue and result keys (a
+    recurring schedule's occurrence ids derive from its id and times, the same in every test that
+    uses that id: in a shared result backend, one test's finished run was another's "already ran")."""
     tag = "t" + uuid.uuid4().hex[:10]
     return {"delayed_key_prefix": tag, "delayed_topic_prefix": f"{tag}.", "delayed_consumer_group": tag,
             "delayed_partitions": 4, "delayed_lease_ttl": 2, "task_default_queue": tag,
+            "result_backend_transport_options": {"global_keyprefix": f"{tag}:"},
             **{f"delayed_{name}": value for name, value in SERVERS.items()}, **store_redis}
 
 

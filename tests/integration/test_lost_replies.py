@@ -75,11 +75,8 @@ def test_a_cancel_whose_reply_is_lost_reports_the_task_cancelled_and_records_it_
     execute, cancel_many, lost = store.execute, store.cancel_many, []
 
     def reply_lost(pipe):
-        """This pipeline's reply only; redis-py first asks whether its scripts are loaded (SCRIPT EXISTS),
-        asked here, before the toxic, so that the reply lost is the scripts'."""
+        """This pipeline's reply only (its scripts go as EVALSHA alone: the reply lost is theirs)."""
         monkeypatch.setattr(store, "execute", execute)
-        pipe.load_scripts()
-        pipe.scripts.clear()
         try:
             with toxiproxy.replies_lost("redis"):
                 return execute(pipe)

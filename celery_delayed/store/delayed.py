@@ -320,9 +320,11 @@ class DelayedStore(Inspection):
 
         A claim that raised before its tasks were read (its reply lost after Redis ran it) left them
         in flight: the next claim of ``partition`` sends its request id again and gets them too, rather
-        than leaving them to the visibility timeout (``lua/claim.lua``)."""
+        than leaving them to the visibility timeout (``lua/claim.lua``).  So does the first claim of a
+        new leader (``token`` above the partition's fence) with every copy its predecessors left in
+        flight: a leader killed mid-dispatch delays its copies by a failover, not a visibility timeout."""
         keys = [*self.keys.core(partition), self.keys.fence(partition), self.keys.stamp(partition),
-                self.keys.last_claim(partition)]
+                self.keys.last_claim(partition), self.keys.handover(partition)]
         request = self._unread_claims.setdefault(partition, uuid.uuid4().hex)
         paused = list(paused)
         try:

@@ -27,6 +27,8 @@ LAYOUT: tuple[tuple[str, str, str], ...] = (
     ("<prefix>:{p}:stamp", "STRING", "the last claim's stamp (stamps only grow)"),
     ("<prefix>:{p}:claim", "STRING",
      "the last claim's request id and stamp: the claim sent again after its reply was lost finds its tasks"),
+    ("<prefix>:{p}:handover", "STRING",
+     "the highest stamp in flight when a new leader first claimed, until its claims took those tasks back; then 0"),
     ("<prefix>:{p}:cancelled:<request>", "HASH",
      "id -> envelope of the tasks one cancel request removed, kept a minute at most: sent again after its reply "
      "was lost, it answers the same"),
@@ -111,6 +113,10 @@ class Keys:
 
     def last_claim(self, partition: int) -> str:
         return self.of(partition, "claim")
+
+    def handover(self, partition: int) -> str:
+        """The highest stamp in flight when a new leader came, until it took them back (``lua/claim.lua``)."""
+        return self.of(partition, "handover")
 
     def cancelled(self, partition: int, request: str) -> str:
         return self.of(partition, f"cancelled:{request}")

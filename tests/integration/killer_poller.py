@@ -1,11 +1,11 @@
 """A poller of the demo app that kills itself (SIGKILL) at a chosen point of dispatching an occurrence of
-a recurring schedule (the first, or the one after ``LET_THROUGH`` others), as ``celery -A tasks delayed
-poller`` would run otherwise:
+a recurring schedule (the first, or the one after ``LET_THROUGH`` others; with ``any``, of any task), as
+``celery -A tasks delayed poller`` would run otherwise:
 
 - ``before_produce``: its successor is written, the occurrence is not yet handed to Kafka;
 - ``before_ack``: Kafka confirmed the occurrence, the store has not forgotten it.
 
-``python -m tests.integration.killer_poller POINT [LET_THROUGH]``, configured from the environment as the demo's
+``python -m tests.integration.killer_poller POINT [LET_THROUGH [any]]``, configured from the environment as the demo's
 processes are (:func:`tasks.processes.environment`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from celery_delayed.recurring.occurrences import maybe_occurrence
 from tasks import create_app
 
 
-def main(point: str, let_through: int = 0) -> None:
+def main(point: str, let_through: str = "0", which: str = "occurrence") -> None:
     logging.basicConfig(level="INFO", format="[%(asctime)s: %(levelname)s/%(name)s] %(message)s")
     app = create_app()
     store = store_of(app)
@@ -33,8 +33,8 @@ def main(point: str, let_through: int = 0) -> None:
 
     def dying(*args, **kwargs):
         task_ids = [args[1]] if name == "produce" else [task_id for task_id, _ in args[1]]
-        seen.update(task_id for task_id in task_ids if maybe_occurrence(task_id))
-        if len(seen) > let_through:
+        seen.update(task_id for task_id in task_ids if which == "any" or maybe_occurrence(task_id))
+        if len(seen) > int(let_through):
             print(f"killing myself {point} of {task_ids}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return call(*args, **kwargs)
@@ -44,4 +44,4 @@ def main(point: str, let_through: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:]))
+    main(*sys.argv[1:])

@@ -38,7 +38,7 @@ def nodes(store: DelayedStore) -> dict[int, redis.Redis]:
 def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store):
     store.schedule_many(envelopes(400, "q", store.now_ms() - 1000))
     for p in range(16):
-        store.claim(p, token=1, limit=5)  # adds the inflight, fence, stamp and claim keys
+        store.claim(p, token=1, limit=5)  # adds the inflight, fence, stamp, claim and handover keys
     where: dict[int, set[int]] = defaultdict(set)
     names: dict[int, set[str]] = defaultdict(set)
     for port, client in nodes(store).items():
@@ -48,7 +48,7 @@ def test_a_partitions_keys_live_on_one_node_and_partitions_use_every_node(store)
             names[p].add(key.decode().split("}:", 1)[1].split(":")[0])
     assert sorted(where) == list(range(16))
     assert all(len(ports) == 1 for ports in where.values()), dict(where)
-    assert all(kinds == {"t", "buckets", "lanes", "msg", "inflight", "fence", "stamp", "claim"}
+    assert all(kinds == {"t", "buckets", "lanes", "msg", "inflight", "fence", "stamp", "claim", "handover"}
                for kinds in names.values()), dict(names)
     assert {port for ports in where.values() for port in ports} == set(nodes(store))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import base64
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -18,7 +20,7 @@ from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
-from .support import TopicReader, envelopes, leaders, wait_for
+from .support import ROOT, TopicReader, environment, envelopes, leaders, wait_for
 
 
 def now_ms() -> int:
@@ -71,6 +73,32 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
     assert takeover < settings.lease_ttl + 1.5  # TTL + 1 s, with half a second of slack for this machine
     wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30,
              "the store to be empty")
+
+
+def test_the_next_leader_dispatches_what_a_killed_one_claimed_without_waiting_for_the_visibility_timeout(
+        overrides, processes):
+    """A poller killed between its claim and Kafka (its first produce): the copies it claimed are in flight
+    under a visibility timeout of ten minutes; the poller that leads next sends them within its takeover."""
+    n = 50
+    overrides.update(delayed_partitions=1, delayed_visibility_timeout=600)
+    settings = Settings.from_conf(overrides)
+    store = DelayedStore(settings)
+    queue = overrides["task_default_queue"]
+    reader = TopicReader(settings, settings.topic(queue))
+    assert store.schedule_many(envelopes(n, queue, now_ms())) == n
+    log = processes.logdir / "killer.log"
+    killer = subprocess.Popen([sys.executable, "-m", "tests.integration.killer_poller", "before_produce", "0", "any"],
+                              cwd=ROOT, env=environment(overrides), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    processes.procs.append((killer, log))
+    assert killer.wait(timeout=60) == -signal.SIGKILL, log.read_text()
+    assert "killing myself" in log.read_text() and store.counts()[0]["inflight"] == n
+
+    processes.poller()
+    keys = reader.read_until(n, timeout=settings.lease_ttl + 20)
+    reader.close()
+    assert len(keys) == n, f"{n - len(keys)} of the killed poller's claimed tasks not sent within its takeover"
+    wait_for(lambda: store.counts()[0]["inflight"] + store.counts()[0]["scheduled"] == 0, 30, "the store to be empty")
 
 
 def leading_one_partition(overrides: dict) -> tuple[Settings, DelayedStore, Leadership, int, Poller]:

@@ -170,10 +170,11 @@ def test_a_stale_occurrence_is_dropped_at_dispatch_not_run(overrides, processes)
 def test_kill_9_of_a_poller_while_dispatching_an_occurrence_loses_none_and_runs_none_twice(overrides, processes,
                                                                                            point):
     """The poller dies right after writing the occurrence's successor (``before_produce``), or once
-    Kafka has the occurrence but before the store forgot it (``before_ack``); the occurrence comes back
-    after the visibility timeout, and another poller dispatches it again and writes the same successor."""
+    Kafka has the occurrence but before the store forgot it (``before_ack``); the next poller to lead takes
+    the occurrence back at once (not after the visibility timeout, ten minutes here), dispatches it again
+    and writes the same successor."""
     run = overrides["delayed_key_prefix"]
-    overrides.update(beat_schedule=beat(run), delayed_visibility_timeout=3)
+    overrides.update(beat_schedule=beat(run), delayed_visibility_timeout=600)
     settings = Settings.from_conf(overrides)
     ticks = Ticks(settings, run)
     processes.worker()

@@ -132,6 +132,32 @@ def test_time_buckets_keep_due_order_and_every_task_findable_by_id(overrides):
     assert not list(store.redis.scan_iter(store.keys.bucket(0, "*", "q")))  # emptied buckets are gone, not left
 
 
+def test_a_new_leader_takes_its_predecessors_copies_in_flight_at_once_not_after_the_visibility_timeout(overrides):
+    """A leader killed between its claims and Kafka's confirmation never acks them: the next leader's
+    first claims (a higher token) take them all back, a claim's limit at a time, each due no earlier
+    than it was; the dead leader's late acks leave the new copies alone."""
+    store = DelayedStore(Settings.from_conf(overrides, partitions=1, visibility_timeout=600, dispatch_lead=0.5))
+    now = now_ms()
+    ids = [str(uuid.uuid4()) for _ in range(25)]
+    store.schedule_many((task_id, now - 1000 + i, data)
+                        for i, (task_id, (_, _, data)) in enumerate(zip(ids, envelopes(25, "q", 0))))
+    first = store.claim(0, token=5, limit=10)
+    second = store.claim(0, token=5, limit=10)
+    assert len(first.items) == len(second.items) == 10
+    assert store.claim(0, token=5, limit=10).items[0][0] == ids[20]  # the same leader: in flight, not again
+    assert store.claim(0, token=5, limit=10).items == []
+
+    taken = [store.claim(0, token=6, limit=10) for _ in range(4)]  # the next leader, 10 a claim
+    assert [len(claim.items) for claim in taken] == [10, 10, 5, 0]
+    assert sorted(item[0] for claim in taken for item in claim.items) == sorted(ids)
+    assert all(claim.now_ms <= due <= claim.now_ms + 500 for claim in taken for _, due, _ in claim.items)
+    assert store.redis.get(store.keys.handover(0)) == b"0"  # all taken back
+    assert store.ack(0, [(task_id, first.stamp) for task_id in ids]) == 0  # the dead leader's late acks
+    assert store.ack(0, [(item[0], claim.stamp) for claim in taken for item in claim.items]) == 25
+    with pytest.raises(Exception, match="FENCED"):
+        store.claim(0, token=5, limit=10)
+
+
 def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
     """A retry (or put-back) written while the poller still waits for the first copy's delivery
     report: the old claim's ack or nack must not delete it; a plain duplicate says it was kept."""

@@ -26,6 +26,7 @@ BUILT = {
     "<prefix>:{p}:fence": K.fence("p"),
     "<prefix>:{p}:stamp": K.stamp("p"),
     "<prefix>:{p}:claim": K.last_claim("p"),
+    "<prefix>:{p}:handover": K.handover("p"),
     "<prefix>:{p}:cancelled:<request>": K.cancelled("p", "<request>"),
     "<prefix>:{p}:keys": K.key_index("p"),
     "<prefix>:{p}:recurring": K.recurring("p"),

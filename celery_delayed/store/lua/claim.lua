@@ -21,9 +21,18 @@
 -- claim, its tasks still in flight are due again at once (not after the visibility timeout),
 -- at that claim's horizon (the latest due time they can have: none runs early), and claimed
 -- as any due task is (a queue paused meanwhile keeps its tasks).
+-- A new leader (a token above the fence) takes over what its predecessors left in flight: a leader
+-- killed between its claim and Kafka's confirmation never acks those copies, and they would wait out
+-- the visibility timeout. Every copy in flight when the token rises is due again at once, at its own
+-- claim's horizon (its deadline - visibility + lead, within this claim's: none runs early, none waits),
+-- up to ARGV[2] a claim: the highest deadline among them is kept (handover key) until all are back,
+-- then 0 (the key stays: a script declaring a key its node lacks is refused while its slot migrates).
+-- A predecessor still alive (partitioned off etcd) may deliver a copy too: the worker runs a task id
+-- once, and its ack, of the old stamp, leaves the new claim's copy alone (ack.lua).
 --
 -- KEYS[1] bucket index ZSET   KEYS[2] msg HASH   KEYS[3] inflight ZSET   KEYS[4] lanes ZSET
 -- KEYS[5] fence STRING   KEYS[6] last claim stamp STRING   KEYS[7] last claim: "<request id> <stamp>" STRING
+-- KEYS[8] handover: the highest deadline in flight when a new leader came, until all are due again, or 0 STRING
 -- ARGV[1] fencing token (fencing epoch and etcd create revision of the leader key as one number, leadership.token_of)
 -- ARGV[2] most tasks to claim   ARGV[3] visibility timeout ms
 -- ARGV[4] bucket key prefix   ARGV[5] bucket width s   ARGV[6] dispatch lead ms   ARGV[7] request id
@@ -37,15 +46,19 @@
 -- claimed without a message (a bucket entry left by a schedule.lua a slot migration cut short) leaves
 -- inflight when its claim expires or is nacked, or when the id is scheduled again (schedule.lua).
 --- @include _buckets
-local index, msgs, inflight, lanes, fence_key, stamp_key, claim_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
-  KEYS[6], KEYS[7]
+local index, msgs, inflight, lanes, fence_key, stamp_key, claim_key, handover_key = KEYS[1], KEYS[2], KEYS[3],
+  KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local prefix, request = ARGV[4], ARGV[7]
 local token = tonumber(ARGV[1])
 local fence = tonumber(redis.call('GET', fence_key) or '0')
 if token < fence then
   return redis.error_reply('FENCED token ' .. ARGV[1] .. ' is older than ' .. fence)
 end
-if token > fence then redis.call('SET', fence_key, ARGV[1]) end
+if token > fence then
+  redis.call('SET', fence_key, ARGV[1])
+  local top = redis.call('ZRANGE', inflight, '+inf', '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')
+  redis.call('SET', handover_key, top[2] or '0')
+end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -83,6 +96,15 @@ due_again(redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, lim
 local last = redis.call('GET', stamp_key) or '0'
 if redis.call('GET', claim_key) == request .. ' ' .. last then
   due_again(zrange(inflight, last, last, 'BYSCORE'), math.max(now, tonumber(last) - visibility + lead))
+end
+-- a predecessor's copies, each at its claim's horizon (clamped to this claim's: see the header)
+local handover = tonumber(redis.call('GET', handover_key) or '0')
+if handover > 0 then
+  local left = zrange(inflight, '-inf', handover, 'BYSCORE', 'LIMIT', 0, limit, 'WITHSCORES')
+  for i = 1, #left, 2 do
+    due_again({left[i]}, math.max(now, math.min(tonumber(left[i + 1]) - visibility + lead, horizon)))
+  end
+  if #left < 2 * limit then redis.call('SET', handover_key, '0') end
 end
 
 -- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)

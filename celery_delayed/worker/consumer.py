@@ -38,6 +38,7 @@ from celery_delayed.store.durability import worker_preflight
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
 from celery_delayed.worker.offsets import OffsetTracker
 from celery_delayed.worker.drained import guard_drained
+from celery_delayed.worker.gate import PoolGate
 from celery_delayed.worker.once import ADMISSION_RETRY, Admit, Copy, RunClaims, admit
 from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
@@ -87,12 +88,17 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
         self.feed: KafkaFeed | None = None
         self.claims: RunClaims | None = None  # outlives feeds: kept across consumer restarts
+        self.gate: PoolGate | None = None
+        if getattr(c.pool, "is_green", False):  # before Celery's strategies take on_task_request (Tasks.start)
+            self.gate = c.on_task_request = PoolGate(c.pool, c.timer, c.on_task_request)
 
     def start(self, c: Any) -> None:
         """Start reading Kafka.  A bad setting or a store it must not use (another layout, eviction) stops
         the worker with one line saying so, rather than Celery's "Unrecoverable error" traceback."""
         try:
-            self.feed = KafkaFeed(c, self.claims)
+            if self.gate is not None:
+                self.gate.reopen()
+            self.feed = KafkaFeed(c, self.claims, self.gate)
             self.claims = self.feed.claims
             self.feed.start()
             guard_drained(c, self.claims)
@@ -125,7 +131,7 @@ def _refuse_bad_settings(instance: Any, **_: Any) -> None:
 class KafkaFeed:
     """The Kafka consumer thread of one worker consumer, and its hand-off to the loop."""
 
-    def __init__(self, c: Any, claims: RunClaims | None = None) -> None:
+    def __init__(self, c: Any, claims: RunClaims | None = None, gate: PoolGate | None = None) -> None:
         amqp: AMQP = c.app.amqp
         self.c = c
         self.store: DelayedStore = amqp.delayed_store  # the app's, shared with its other users in the process
@@ -135,7 +141,7 @@ class KafkaFeed:
         self.queues = sorted(amqp.queues.consume_from)
         self.offsets = OffsetTracker()
         self._ready: deque[Arrival] = deque()  # admitted, waiting for the loop
-        self._held: dict[int, Arrival] = {}  # green pool: admitted, handed over once due (see _hold)
+        self._gate = gate  # a green worker's, in front of its pool
         self._ready_lock = threading.Lock()
         self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
         self._admit_at = 0.0
@@ -201,6 +207,8 @@ class KafkaFeed:
         stops: their claims are given up (see :meth:`.Intake.let_go`) and the
         new owners run them at once.
         """
+        if self._gate is not None:
+            self._gate.close()
         self.intake.let_go({request.id for request in worker_state.active_requests})
         self._reading.clear()
         self._room.set()
@@ -445,39 +453,12 @@ class KafkaFeed:
         """Drop the records not handed to Celery yet (a stopped feed's: the next consumer reads
         them again), giving up the run claims taken for them."""
         with self._ready_lock:
-            held, self._held = list(self._held.values()), {}
-            dropped = [*self._ready, *held]
+            dropped = list(self._ready)
             self._ready.clear()
             self._scheduled = False
-        for _ in held:
-            self.c.qos.decrement_eventually()
         for arrival in dropped:
             if _runs(arrival):
                 self.claims.release(arrival.envelope.task_id)
-
-    def _hold(self, arrival: Arrival) -> bool:
-        """In a green worker (gevent, eventlet), keep a record sent ahead of its due time
-        (``delayed_dispatch_lead``) here, not in Celery's ETA timer, and hand it over when due:
-        True when held.  See :meth:`_drain` for why.  Like Celery's timer, it raises the prefetch
-        limit for each task held (``qos``), so holding tasks never stops the feed reading."""
-        if arrival.held or not _runs(arrival):
-            return False
-        arrival.held = True
-        if (start_ms := self.intake.start_ms(arrival)) is None:
-            return False
-        with self._ready_lock:
-            self._held[id(arrival)] = arrival
-        self.c.qos.increment_eventually()
-        self.c.timer.call_after(max(0.0, start_ms / 1000 - time.time()), self._unhold, (arrival,))
-        return True
-
-    def _unhold(self, arrival: Arrival) -> None:
-        """A held record is due: hand it over (unless a stop dropped it meanwhile)."""
-        with self._ready_lock:
-            if self._held.pop(id(arrival), None) is None:
-                return
-        self.c.qos.decrement_eventually()
-        self._hand_over([arrival])
 
     def _drain(self) -> None:
         """On the loop thread: give every waiting record to Celery, in order.
@@ -489,11 +470,6 @@ class KafkaFeed:
         no known transient kind is tried :data:`UNEXPECTED_TRIES` times, then the
         record is dead-lettered naming it: one record must not stop every one
         behind it for good.
-
-        A green worker (gevent, eventlet) hands a task over only once it is due (:meth:`_hold`) and
-        its pool has a free slot: there, a task handed to a full pool waits inside the pool's spawn,
-        beyond a warm stop's reach; the stop gives its run claim up to the next worker (it never
-        started here), and then it starts here too when a slot frees -- run twice.
         """
         while True:
             if not self._reading.is_set():  # stopped: left for redelivery
@@ -504,13 +480,6 @@ class KafkaFeed:
                     self._scheduled = False
                     return
                 arrival = self._ready.popleft()
-            if self._green and self._hold(arrival):
-                continue
-            if self._green and _runs(arrival) and _free_slots(self.c.pool) < 1:
-                with self._ready_lock:
-                    self._ready.appendleft(arrival)
-                self.c.timer.call_after(GREEN_POLL_GAP, self._drain)
-                return
             try:
                 self.intake.dispatch(arrival)
             except Exception as exc:  # never let one message break the loop, nor a blink lose it
@@ -557,10 +526,3 @@ def _names(partitions: list[TopicPartition]) -> list[str]:
 def _runs(arrival: Arrival) -> bool:
     """Whether an admitted record is to run here (the others are settled without a pool slot)."""
     return arrival.verdict is not None and arrival.verdict.admit is Admit.RUN
-
-
-def _free_slots(pool: Any) -> int:
-    """Free slots of a green worker's pool: Celery's gevent and eventlet pools keep theirs as
-    ``_pool`` (gevent's ``Pool.free_count()``, eventlet's ``GreenPool.free()``; a test pins them)."""
-    green = pool._pool
-    return green.free_count() if hasattr(green, "free_count") else green.free()

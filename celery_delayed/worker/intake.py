@@ -153,12 +153,6 @@ class Intake:
         except Exception as exc:
             raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
 
-    @staticmethod
-    def start_ms(arrival: Arrival) -> int | None:
-        """When a record handed over now is to start (this worker's clock, see :func:`hold_until`), or None: at once."""
-        marks = _record_headers(arrival.record)
-        return hold_until(marks.get(DUE_HEADER), marks.get(CLAIMED_HEADER), int(time.time() * 1000))
-
     def _message(self, arrival: Arrival) -> Message:
         """The kombu message Celery's strategy takes, from a record's envelope and headers.
 
@@ -172,7 +166,7 @@ class Intake:
         due_ms, claimed_ms, now_ms = marks.get(DUE_HEADER), marks.get(CLAIMED_HEADER), int(time.time() * 1000)
         eta = iso_of(due_ms)
         headers.pop("eta", None)
-        if not arrival.held and (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
+        if (start_ms := hold_until(due_ms, claimed_ms, now_ms)) is not None:
             headers["eta"] = eta if start_ms == due_ms else iso_of(start_ms)
         headers[FROM_KAFKA] = {"eta": eta, "due": due_ms, "claimed": claimed_ms,
                                "produced": record.timestamp()[1], "read": arrival.read_ms, "handed": now_ms}
@@ -327,7 +321,6 @@ class Arrival:
     trace: str = ""
     verdict: Verdict | None = None  # what admit() decided; None when it has a problem
     tries: int = 0  # hand-overs that failed by an error of no known transient kind
-    held: bool = False  # a green worker held it until due itself (Celery's timer must not hold it again)
 
 
 def replace_key(headers: dict) -> str | None:

@@ -41,19 +41,33 @@ def test_the_green_pools_say_they_are_green():
 
 @pytest.mark.parametrize("name", ["gevent", "eventlet"])
 def test_a_green_pool_tells_its_free_slots(name):
-    """consumer.py hands a green pool a task only while it has a free slot (``_free_slots``: the pool
+    """gate.py starts a green pool's task only while it has a free slot (``free_slots``: the pool
     Celery's TaskPool keeps as ``_pool``); a slot taken by a running greenlet is not free."""
     pytest.importorskip(name, reason="the green pools are a dev extra: scripts/test has them, test-pythons not")
     from celery.concurrency import get_implementation
-    from celery_delayed.worker.consumer import _free_slots
+    from celery_delayed.worker.gate import free_slots
     pool = get_implementation(name)(limit=2)
     pool.start()
     try:
-        assert _free_slots(pool) == 2
+        assert free_slots(pool) == 2
         pool._pool.spawn(lambda: None)  # not run until this greenlet yields: its slot is taken meanwhile
-        assert _free_slots(pool) == 1
+        assert free_slots(pool) == 1
     finally:
         pool.stop()
+
+
+def test_every_request_reaches_the_pool_through_the_consumer_s_on_task_request():
+    """consumer.py puts a green worker's gate (gate.py) in ``Consumer.on_task_request`` before Celery's
+    Tasks step builds the strategies: the default strategy takes it when made, and the ETA timer
+    (``apply_eta_task``) and the rate limits call it on the consumer."""
+    from celery.worker import strategy
+    from celery.worker.consumer.tasks import Tasks
+
+    assert "handle = consumer.on_task_request" in inspect.getsource(strategy.default)
+    assert "apply_eta_task = consumer.apply_eta_task" in inspect.getsource(strategy.default)
+    assert "self.on_task_request(task)" in inspect.getsource(Consumer.apply_eta_task)
+    assert "self.on_task_request(request)" in inspect.getsource(Consumer._limit_move_to_pool)
+    assert "c.update_strategies()" in inspect.getsource(Tasks.start)
 
 
 def test_a_request_dropped_by_a_consumer_restart_can_be_told_from_one_given_to_the_pool():

@@ -1,0 +1,61 @@
+"""A green worker's gate in front of its pool: tasks start only while the pool has a free slot.
+
+Celery's gevent and eventlet pools have no semaphore in front of them (prefork has one): a task
+handed to a full pool waits *inside* the pool's ``spawn``, in whichever greenlet handed it over
+(Celery's ETA timer's, the Kafka feed's).  A warm stop then sees a request reserved and never
+started, gives its run claim up to the next worker, and the task starts here too once a slot frees:
+run twice.  The gate takes Celery's ``on_task_request`` (the seam every strategy and the ETA timer
+hand a request to the pool through; a test pins it): a request starts at once while a slot is free,
+else waits here, in order, until one is; a stop drops what waits, which never starts here.
+
+So a green worker hands records to Celery as prefork does, ahead of their due time: Celery's
+strategy reads the message, sends ``task-received`` and holds the request in its ETA timer, and
+what is left at the due time is the pool's spawn, as for Celery's own ETA tasks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+#: Seconds between two looks at a full pool for a free slot.
+POLL_GAP = 0.005
+
+
+class PoolGate:
+    """Stands for Celery's ``on_task_request`` (``start``) in a green worker (see the module)."""
+
+    def __init__(self, pool: Any, timer: Any, start: Callable[[Any], Any]) -> None:
+        self.pool, self.timer, self._start = pool, timer, start
+        self._waiting: deque[Any] = deque()
+        self._open = True
+        self._looking = False  # a look for a free slot is scheduled
+
+    def __call__(self, request: Any) -> None:
+        if self._open:
+            self._waiting.append(request)
+            self._admit()
+
+    def _admit(self) -> None:
+        self._looking = False
+        while self._open and self._waiting and free_slots(self.pool) > 0:
+            self._start(self._waiting.popleft())
+        if self._open and self._waiting and not self._looking:
+            self._looking = True
+            self.timer.call_after(POLL_GAP, self._admit)
+
+    def close(self) -> None:
+        """A stop began: what waits never starts here (:meth:`.Intake.let_go` gives its claim up)."""
+        self._open = False
+        self._waiting.clear()
+
+    def reopen(self) -> None:
+        """The consumer started again (after a broker connection was lost)."""
+        self._open = True
+
+
+def free_slots(pool: Any) -> int:
+    """Free slots of a green worker's pool: Celery's gevent and eventlet pools keep theirs as
+    ``_pool`` (gevent's ``Pool.free_count()``, eventlet's ``GreenPool.free()``; a test pins them)."""
+    green = pool._pool
+    return green.free_count() if hasattr(green, "free_count") else green.free()

@@ -19,7 +19,7 @@ CHECKED = [
     "recurring/policy.py",
     "store/__init__.py", "store/keys.py", "store/layout.py", "store/records.py", "store/revoke.py",
     "store/scripts.py",
-    "poller/__init__.py", "poller/loop.py",
+    "poller/__init__.py", "poller/loop.py", "poller/delivery.py",
     "worker/__init__.py", "worker/drained.py", "worker/failures.py", "worker/offsets.py", "worker/once.py",
     "worker/wakeup.py", "worker/intake.py", "worker/consumer.py",
     "store/delayed.py",

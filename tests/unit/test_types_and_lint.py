@@ -22,7 +22,7 @@ CHECKED = [
     "poller/__init__.py", "poller/loop.py", "poller/delivery.py",
     "worker/__init__.py", "worker/drained.py", "worker/failures.py", "worker/offsets.py", "worker/once.py",
     "worker/wakeup.py", "worker/intake.py", "worker/consumer.py",
-    "store/delayed.py",
+    "store/delayed.py", "store/inspection.py",
     "ops/__init__.py", "ops/cli.py", "ops/drain.py", "ops/web/__init__.py", "ops/web/server.py", "ops/web/views.py", "store/dlq.py",
 ]
 

@@ -14,6 +14,7 @@ pytest.importorskip("mypy", reason="mypy is a dev tool: scripts/test has it, tes
 #: The modules held clean (paths under celery_delayed/).
 CHECKED = [
     "__init__.py", "backend.py", "inert.py", "metrics.py", "kafka.py", "settings.py",
+    "envelope.py", "sandbox.py", "testing.py",
     "client/__init__.py", "client/batch.py", "client/bulk.py", "client/schedules.py", "client/template.py",
     "client/intercept.py",
     "recurring/__init__.py", "recurring/rules.py", "recurring/occurrences.py", "recurring/definitions.py",
@@ -24,6 +25,7 @@ CHECKED = [
     "worker/__init__.py", "worker/drained.py", "worker/failures.py", "worker/offsets.py", "worker/once.py",
     "worker/wakeup.py", "worker/intake.py", "worker/consumer.py",
     "store/delayed.py", "store/inspection.py", "store/durability.py", "store/outcomes.py",
+    "store/redis_client.py",
     "ops/__init__.py", "ops/cli.py", "ops/drain.py", "ops/web/__init__.py", "ops/web/server.py", "ops/web/views.py", "store/dlq.py",
     "ops/browse.py",
 ]

@@ -29,7 +29,8 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from json.encoder import c_make_encoder, encode_basestring, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any, AnyStr, Callable
+from typing import Any, AnyStr
+from collections.abc import Callable
 
 from kombu.compression import compress, decompress
 from kombu.serialization import dumps, loads, registry
@@ -119,7 +120,7 @@ class Envelope:
         return COMPACT + line.encode() + b"\n" + self.body
 
     @classmethod
-    def decode(cls, data: bytes) -> "Envelope":
+    def decode(cls, data: bytes) -> Envelope:
         """Parse any stored form; raise :class:`EnvelopeError` naming what is wrong."""
         meta, body, compact = _parse(data)
         task_id, queue = meta["id"], meta["q"]
@@ -134,7 +135,7 @@ class Envelope:
                    exchange=_field(meta, "x", str, ""), routing_key=_field(meta, "rk", str, queue))
 
     @classmethod
-    def _from_original(cls, meta: dict[str, Any], body: bytes) -> "Envelope":
+    def _from_original(cls, meta: dict[str, Any], body: bytes) -> Envelope:
         if not isinstance(meta.get("h"), dict):
             raise EnvelopeError("envelope headers are not an object")
         try:

@@ -7,7 +7,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition, libversion
 from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic, ResourceType
@@ -70,7 +71,7 @@ librdkafka_log = logging.getLogger("celery_delayed.librdkafka")
 librdkafka_log.addFilter(_LibrdkafkaLog())
 
 
-def client_config(settings: Settings, defaults: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+def client_config(settings: Settings, defaults: dict[str, Any] | None = None, /, **extra: Any) -> dict[str, Any]:
     """A Kafka client's configuration (:meth:`Settings.kafka`), its log going to :data:`librdkafka_log`."""
     return settings.kafka(defaults, logger=librdkafka_log, **extra)
 

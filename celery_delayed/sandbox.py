@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import uuid
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import contextmanager, suppress
+from collections.abc import Iterator
 
 import redis
 from celery import Celery
@@ -63,10 +63,8 @@ def remove_everything(settings: Settings, topics: list[str] | None = None) -> No
     block Redis), its etcd keys, and its Kafka topics (``topics``, else every topic under
     ``delayed_topic_prefix``).  For tests and benchmarks: nothing of the prefix survives."""
     unlink_prefix(connect(settings), settings.key_prefix)
-    try:
+    with suppress(Exception):  # etcd keys die with the pollers' leases anyway
         make_etcd(settings).delete_prefix(Keys(settings.key_prefix).etcd_root + "/")
-    except Exception:  # etcd keys die with the pollers' leases anyway
-        pass
     admin = AdminClient(settings.kafka())  # referenced until the futures resolve
     if topics is None:
         topics = [t for t in admin.list_topics(timeout=10).topics if t.startswith(settings.topic_prefix)]

@@ -11,7 +11,8 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 PREFIX = "delayed_"
@@ -90,7 +91,7 @@ class Range(NamedTuple):
     above: bool = False
 
     def __contains__(self, value: object) -> bool:
-        return (type(value) in (int, float) and (value > self.low if self.above else value >= self.low)
+        return ((type(value) is int or type(value) is float) and (value > self.low if self.above else value >= self.low)
                 and value <= self.high)  # NaN compares false: refused too
 
     def __str__(self) -> str:
@@ -217,12 +218,12 @@ class Settings:
     allow_unknown_settings: bool = False
 
     @classmethod
-    def from_app(cls, app: Any) -> "Settings":
+    def from_app(cls, app: Any) -> Settings:
         """Read and validate ``delayed_*`` settings from ``app.conf``."""
         return cls.from_conf(app.conf)
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, Any], **changes: Any) -> "Settings":
+    def from_conf(cls, conf: Mapping[str, Any], **changes: Any) -> Settings:
         """Read and validate the ``delayed_*`` keys of a Celery configuration (``app.conf``, or a
         dict of settings as a ``celeryconfig`` holds them; other keys are left alone), with
         ``changes`` (unprefixed names) on top."""
@@ -233,7 +234,7 @@ class Settings:
         return settings
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "Settings":
+    def from_mapping(cls, values: Mapping[str, Any]) -> Settings:
         """Build settings from unprefixed names, coercing and validating each."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
@@ -272,7 +273,7 @@ class Settings:
                      "etcd_endpoints", f"must be [http(s)://]host:port[,...], got {redact_url(url)!r}")
         _require("bootstrap.servers" not in self.kafka_config, "kafka_config",
                  "must not set bootstrap.servers (use delayed_kafka_servers)")
-        self.wait_policy  # raises on a bad schedule_wait
+        _ = self.wait_policy  # parsed now: raises on a bad schedule_wait
         try:
             kafka_limit = self.kafka_message_max_bytes
         except (TypeError, ValueError):
@@ -281,7 +282,7 @@ class Settings:
                  f"1000 and 1000000000 (librdkafka's range), got {self.kafka_config.get('message.max.bytes')!r}")
 
     @property
-    def wait_policy(self) -> "WaitPolicy | None":
+    def wait_policy(self) -> WaitPolicy | None:
         """``schedule_wait`` parsed, or None when off."""
         if not self.schedule_wait:
             return None
@@ -413,7 +414,7 @@ def _unknown(key: str, start: int = 0) -> ConfigurationError:
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     """Coerce a raw setting to the field's type, within its :data:`RANGES`; ConfigurationError naming
     the setting and the value as given when it cannot."""
-    parse = f.metadata.get("parse") or _PARSERS[f.type]
+    parse = f.metadata.get("parse") or _PARSERS[str(f.type)]  # a str already: annotations are postponed
     try:
         parsed = parse(value)
     except (TypeError, ValueError):

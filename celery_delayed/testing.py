@@ -21,7 +21,7 @@ An app made any other way (an app factory, ``TestApp`` by hand) takes
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery

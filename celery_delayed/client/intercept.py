@@ -95,9 +95,8 @@ class DelayedAMQP(AMQP):
             sent = send(store_producer, name, message, **options)
             if batch and store_producer.published:  # the template of its shape (client.template)
                 batch.published = dict(store_producer.published, event=batch.last_event)
-            if store_producer.expired:
-                record_revoked(self.app, store_producer.envelope.task_id, store_producer.envelope, "expired",
-                               expired=True)
+            if (expired := store_producer.expired) is not None:
+                record_revoked(self.app, expired.task_id, expired, "expired", expired=True)
             return sent
 
         return send_task_message
@@ -171,8 +170,7 @@ class _StoreProducer:
         self._due_ms = due_ms
         self._stored = False
         self.queue = queue
-        self.envelope: Envelope | None = None
-        self.expired = False
+        self.expired: Envelope | None = None  # the message, when it expired before it was due: not stored
         self.published: dict[str, Any] | None = None  # what Celery published, when it joined a batch
 
     def __getattr__(self, name: str) -> Any:
@@ -187,7 +185,7 @@ class _StoreProducer:
                                           **properties)
         headers_given, headers = headers, dict(headers or {})
         data, content_type, content_encoding = serialize(body, serializer, compression, headers)
-        self.envelope = envelope = Envelope(
+        envelope = Envelope(
             task_id=headers["id"], queue=self.queue, headers=headers, body=data,
             content_type=content_type, content_encoding=content_encoding,
             properties={k: properties[k] for k in ("correlation_id", "reply_to", "priority")
@@ -196,8 +194,8 @@ class _StoreProducer:
             routing_key=routing_key or "")
         stored = self._amqp.stored_form(envelope)
         expires_ms = header_ms(headers, "expires")
-        self.expired = expires_ms is not None and expires_ms <= self._due_ms
-        if not self.expired and self._write(envelope, stored, properties.get("retry"),
+        self.expired = envelope if expires_ms is not None and expires_ms <= self._due_ms else None
+        if self.expired is None and self._write(envelope, stored, properties.get("retry"),
                                             properties.get("retry_policy") or {}):
             self.published = {"envelope": envelope, "body": body, "serializer": serializer,
                               "compression": compression, "exchange": exchange, "routing_key": routing_key,
@@ -239,7 +237,7 @@ class _StoreProducer:
             record_revoked(app, task_id, envelope, "revoked")
             return False
         holder = retrying(store.key_holder, key) if mode == "keep" else None
-        if holder not in (None, task_id) and retrying(store.get, holder) is not None:
+        if key is not None and holder not in (None, task_id) and retrying(store.get, holder) is not None:
             self._refuse(key, holder, envelope)
             return False
         def schedule() -> Stored:

@@ -214,9 +214,9 @@ def move(store: DelayedStore, task_id: str, *, to_ms: int | None = None, shift_m
     if to_ms is None:
         info = store.get(task_id)
         if info is None:
-            Change.UNKNOWN.check(task_id, "rescheduled")  # raises
+            Change.UNKNOWN.refuse(task_id, "rescheduled")
         if info["due_ms"] is None:  # claimed: in flight
-            Change.IN_FLIGHT.check(task_id, "rescheduled")
+            Change.IN_FLIGHT.refuse(task_id, "rescheduled")
         to_ms = info["due_ms"] + shift_ms
     return store.reschedule(task_id, to_ms)
 

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 from kombu import Connection
 
 from celery_delayed.client.intercept import header_ms
-from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError, attempt_of
+from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError
 from celery_delayed.ops import browse
 from celery_delayed.poller.leadership import make_etcd
 from celery_delayed.store.revoke import record_revoked
-from celery_delayed.worker.intake import replace_key
-from celery_delayed.worker.once import DRAINED, Admit, Copy, look
+from celery_delayed.worker.intake import copy_of
+from celery_delayed.worker.once import DRAINED, Admit, look
 
 #: Ids of unreadable stored messages a drain names (it counts them all).
 NAMED = 20
@@ -143,7 +143,7 @@ def to_broker(app: Celery, connection: Connection, flt: browse.Filter,
             except EnvelopeError:
                 totals["left"] += 1
                 unreadable.append(item["task_id"])
-        copies = [Copy(e.task_id, attempt_of(e.headers), replace_key(e.headers)) for _, e in found]
+        copies = [copy_of(e.task_id, e.headers) for _, e in found]
         for (item, envelope), verdict in zip(found, look(store, copies, app.backend)):
             task_id = envelope.task_id
             if verdict.admit is Admit.BUSY:

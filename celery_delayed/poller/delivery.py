@@ -14,7 +14,8 @@ import functools
 import time
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -75,7 +76,7 @@ class Delivery:
         self.serve(timeout=0)
 
     def produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
-                 headers: list[tuple[str, str]] | None = None) -> int:
+                 headers: list[tuple[str, str | bytes | None]] | None = None) -> int:
         """Route one claimed message to its topic and hand it to the producer; 1 when handed."""
         try:
             topic = self._checked_topic(queue_of(data))
@@ -83,15 +84,15 @@ class Delivery:
             self.dead_letter(partition, task_id, stamp, data,
                               f"undecodable stored message: {type(exc).__name__}: {exc}")
             return 0
-        if topic not in self._topics:
-            if time.monotonic() < self._topics_blocked_until or not self._ensure_topic(topic):
-                nack = functools.partial(self.store.nack, failed={task_id: due_ms})  # Kafka unreachable: due again soon
-                self._settle(nack, partition, [(task_id, stamp)], then=lambda _: self.stats.add("delivery_failed"))
-                return 0
+        if topic not in self._topics and (time.monotonic() < self._topics_blocked_until
+                                          or not self._ensure_topic(topic)):
+            nack = functools.partial(self.store.nack, failed={task_id: due_ms})  # Kafka unreachable: due again soon
+            self._settle(nack, partition, [(task_id, stamp)], then=lambda _: self.stats.add("delivery_failed"))
+            return 0
         return int(self._send(partition, task_id, stamp, due_ms, topic, data, headers))
 
     def _send(self, partition: int, task_id: str, stamp: int, due_ms: int | None, topic: str, data: bytes,
-              headers: list[tuple[str, str]] | None = None) -> bool:
+              headers: list[tuple[str, str | bytes | None]] | None = None) -> bool:
         """``produce()`` one message, serving delivery reports while the local queue is full.
 
         False when the producer raised: a message Kafka can never carry is
@@ -142,7 +143,10 @@ class Delivery:
         so two copies of one id in flight at once (one claimed again after its
         visibility deadline, or a newer copy claimed) settle each its own claim.
         """
-        task_id, topic = msg.key().decode(), msg.topic()
+        key, topic, data = msg.key(), msg.topic(), msg.value()
+        if key is None or topic is None or data is None:  # every message produced here has all three
+            raise ValueError(f"a delivery report of a message this poller did not produce: {msg!r}")
+        task_id = key.decode()
         waiting = self._in_flight[task_id, topic]
         stamp, partition, due_ms = waiting.pop(0)
         if not waiting:
@@ -152,9 +156,9 @@ class Delivery:
             # culprit.  Sent alone and refused again, it is the culprit: park it.
             self._pending -= 1
             if (task_id, stamp) == self._alone:
-                self.dead_letter(partition, task_id, stamp, msg.value(), f"Kafka refused the message: {err}")
+                self.dead_letter(partition, task_id, stamp, data, f"Kafka refused the message: {err}")
             else:
-                self._suspects.append((partition, task_id, stamp, due_ms, msg.topic(), msg.value()))
+                self._suspects.append((partition, task_id, stamp, due_ms, topic, data))
             return
         self._reports.append((partition, task_id, stamp, due_ms, err))
 
@@ -248,21 +252,23 @@ class Delivery:
                 if due_ms is not None:
                     lags.append(max(0.0, now_ms - due_ms) / 1000)
         metrics.DISPATCH_LAG.observe_many(lags)
-        for err, ids in errors.items():
+        for error, ids in errors.items():
             logger.warning("delivery of %d task(s) failed (%s%s): %s; due again shortly", len(ids), ids[0],
-                           f" and {len(ids) - 1} more" if len(ids) > 1 else "", err)
-        for partition, ids in delivered.items():
-            self._settle(self.store.ack, partition, ids, then=lambda acked, n=len(ids): self._acked(n, acked))
-        for partition, ids in failed.items():
-            self._settle(functools.partial(self.store.nack, failed=failed_due[partition]), partition, ids,
-                         then=lambda _, p=partition, n=len(ids): self._nacked(p, n))
+                           f" and {len(ids) - 1} more" if len(ids) > 1 else "", error)
+        for partition, copies in delivered.items():
+            self._settle(self.store.ack, partition, copies, then=functools.partial(self._acked, len(copies)))
+        for partition, copies in failed.items():
+            self._settle(functools.partial(self.store.nack, failed=failed_due[partition]), partition, copies,
+                         then=functools.partial(self._nacked, partition, len(copies)))
         return fatal
 
     def _acked(self, delivered: int, acked: int) -> None:
         self.stats.add("dispatched", delivered)
         self.stats.add("superseded", delivered - acked)  # a retry or put-back came first
 
-    def _nacked(self, partition: int, failed: int) -> None:
+    def _nacked(self, partition: int, failed: int, _nacked: int) -> None:
+        """``failed`` deliveries of ``partition`` went back to due (each counts, however many of them, ``_nacked``,
+        were still in flight under their claim)."""
         self._on_nacked(partition)
         self.stats.add("delivery_failed", failed)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pyetcd
-from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.client import Endpoint, KVMetadata, MultiEndpointEtcd3Client
 
 from celery_delayed import inert
 from celery_delayed.settings import Settings, redact_url
@@ -100,7 +100,7 @@ def live_pollers(etcd: MultiEndpointEtcd3Client, keys: Keys) -> list[str]:
     return [meta.key.decode().rsplit("/", 1)[1] for _, meta in etcd.get_prefix(keys.pollers(), keys_only=True)]
 
 
-def _leader_keys(etcd: MultiEndpointEtcd3Client, keys: Keys) -> dict[int, tuple[str, object]]:
+def _leader_keys(etcd: MultiEndpointEtcd3Client, keys: Keys) -> dict[int, tuple[str, KVMetadata]]:
     """Partition -> (leader's poller id, its key's metadata), from etcd."""
     return {int(meta.key.decode().rsplit("/", 1)[1]): (value.decode(), meta)
             for value, meta in etcd.get_prefix(keys.leaders())}

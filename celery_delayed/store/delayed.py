@@ -27,12 +27,14 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 
 import redis
+from redis.cluster import ClusterNode
 
 from celery_delayed import inert
-from celery_delayed.settings import RATE, ConfigurationError, Settings, redact_url
+from celery_delayed.settings import RATE, ConfigurationError, Settings, WaitPolicy, redact_url
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
@@ -112,8 +114,8 @@ class DelayedStore(Inspection):
         a copy in flight (being dispatched); an older one replaces nothing (see
         ``lua/schedule.lua``).
         """
-        added, replaced, _ = self._schedule_replies(self._send(next(self._schedule_pipelines(
-            [(task_id, due_ms, data)], attempt))[0]))
+        pipe, probes, _ = next(self._schedule_pipelines([(task_id, due_ms, data)], attempt))
+        added, replaced, _ = self._schedule_replies(self._send(pipe, probes))
         return Stored.ADDED if added else Stored.REPLACED if replaced else Stored.KEPT
 
     def schedule_many(self, items: Iterable[Item], progress: Callable[[int], None] | None = None,
@@ -142,12 +144,12 @@ class DelayedStore(Inspection):
         """
         pipelines = self._schedule_pipelines(items, attempt)
         if isinstance(items, Sized) and len(items) <= SCHEDULE_BATCH:  # a few tasks: no thread
-            return sum(self._stored(self._send(pipe), size, progress) for pipe, size in pipelines)
+            return sum(self._stored(self._send(pipe, probes), size, progress) for pipe, probes, size in pipelines)
         added = 0
         with ThreadPoolExecutor(SENDERS, thread_name_prefix="delayed-schedule") as sender:
             sending: deque[tuple[Future, int]] = deque()
-            for pipe, size in pipelines:
-                sending.append((sender.submit(self._send, pipe), size))
+            for pipe, probes, size in pipelines:
+                sending.append((sender.submit(self._send, pipe, probes), size))
                 if len(sending) > SENDERS:
                     added += self._stored(sending[0][0].result(), sending.popleft()[1], progress)
             for future, size in sending:
@@ -157,12 +159,13 @@ class DelayedStore(Inspection):
     def schedule_attempts(self, items: Sequence[Item], attempts: Sequence[int]) -> int:
         """Store ``items`` as :meth:`schedule_many` does, item ``i`` as attempt number ``attempts[i]`` (as
         :meth:`schedule` stores one), a pipeline per :data:`SCHEDULE_BATCH`; returns how many were stored."""
-        return sum(self._stored(self._send(pipe), size, None)
-                   for pipe, size in self._schedule_pipelines(items, attempts=attempts))
+        return sum(self._stored(self._send(pipe, probes), size, None)
+                   for pipe, probes, size in self._schedule_pipelines(items, attempts=attempts))
 
     def _schedule_pipelines(self, items: Iterable[Item], attempt: int = 0, attempts: Sequence[int] | None = None
-                            ) -> Iterator[tuple[redis.client.Pipeline, int]]:
-        """Per batch of items: a pipeline of schedule scripts, one per partition chunk, and the batch size.
+                            ) -> Iterator[tuple[redis.client.Pipeline, list[str], int]]:
+        """Per batch of items: a pipeline of schedule scripts, one per partition chunk, the probe keys its
+        wait uses in a cluster (:meth:`DurableWrites.confirm`), and the batch size.
         Each item is attempt number ``attempt``, or with ``attempts`` its own (by its index in ``items``)."""
         done = 0
         for batch in _chunks(items, SCHEDULE_BATCH):
@@ -184,13 +187,13 @@ class DelayedStore(Inspection):
                                              args=[self.keys.wake, self.keys.bucket_prefix(p),
                                                    *flat[start:start + SCHEDULE_CHUNK * 4]],
                                              client=pipe)
-            self.durable.end(pipe, [self.keys.wait_probe(p) for p in by_partition])
+            self.durable.end(pipe)
             done += len(batch)
-            yield pipe, len(batch)
+            yield pipe, [self.keys.wait_probe(p) for p in by_partition], len(batch)
 
-    def _send(self, pipe: redis.client.Pipeline) -> list:
+    def _send(self, pipe: redis.client.Pipeline, probes: list[str]) -> list:
         """Run a schedule pipeline and confirm its writes as ``delayed_schedule_wait`` asks."""
-        return self.durable.confirm(pipe, self.execute(pipe))
+        return self.durable.confirm(pipe, self.execute(pipe), probes)
 
     @classmethod
     def _stored(cls, replies: list[list[int]], size: int, progress: Callable[[int], None] | None) -> int:
@@ -222,7 +225,8 @@ class DelayedStore(Inspection):
             pipe = self.redis.pipeline(transaction=False)
             for task_id in ids:
                 p = self.partition(task_id)
-                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request), self.keys.failing(p)]
+                keys = [*self.keys.core(p), self.keys.attempts(p), self.keys.cancelled(p, request),
+                        self.keys.failing(p)]
                 self.scripts["cancel"](keys=keys, client=pipe,
                                        args=[self.keys.bucket_prefix(p), member_of(task_id), CANCEL_KEPT_MS])
             return self.execute(pipe)
@@ -279,14 +283,14 @@ class DelayedStore(Inspection):
     def reschedule_many(self, moves: Iterable[tuple[str, int]]) -> dict[str, Change]:
         """Move scheduled tasks, ``(task_id, new due ms)`` pairs, in one pipeline; per id DONE,
         UNKNOWN or IN_FLIGHT (a poller is dispatching it: it runs when it was due)."""
-        moves = dict(moves)
+        due_of = dict(moves)
         pipe = self.redis.pipeline(transaction=False)
-        for task_id, due_ms in moves.items():
+        for task_id, due_ms in due_of.items():
             p = self.partition(task_id)
             self.scripts["reschedule"](keys=[*self.keys.core(p), self.keys.failing(p)], client=pipe,
                                        args=[self.keys.wake, self.keys.bucket_prefix(p), BUCKET_SECONDS,
                                              member_of(task_id), _in_range(due_ms)])
-        return {task_id: Change(reply) for task_id, reply in zip(moves, self.execute(pipe))}
+        return {task_id: Change(reply) for task_id, reply in zip(due_of, self.execute(pipe))}
 
     def now_ms(self) -> int:
         """Redis' clock, the one every due comparison uses, in ms since the epoch."""
@@ -337,7 +341,8 @@ class DelayedStore(Inspection):
                 raise Fenced(f"partition {partition}: {exc}") from None
             raise
         now_ms, next_due, stamp = int(reply[0]), int(reply[1]), int(reply[2])
-        items, taken = [], Counter()
+        items: list[tuple[str, int, bytes]] = []
+        taken: Counter[str] = Counter()
         members = reply[4::2]
         for member, due_ms, stored, held in zip(members, reply[5::2], *self._read_claimed(partition, members)):
             if held != stamp or stored is None:  # no longer this claim's (a retry replaced it), or no message
@@ -547,28 +552,24 @@ class DurableWrites:
         self.policy = store.settings.wait_policy
         self._waitaof_checked = False
 
-    def end(self, pipe: redis.client.Pipeline, probes: list[str]) -> None:
+    def end(self, pipe: redis.client.Pipeline) -> None:
         """End a pipeline of writes (schedule, dead letter) with its wait: on the pipeline's own
         connection, as ``WAIT`` and ``WAITAOF`` count that connection's writes.  A cluster
-        pipeline's connections are not ours: it is waited for after it ran (:meth:`confirm`), on
-        the node of each of ``probes``, a short-lived key in the slot of each group of keys written
-        (:meth:`.Keys.wait_probe`, :attr:`.Keys.dlq_wait`)."""
-        if self.policy is None:
-            return
-        if isinstance(self.store.redis, redis.RedisCluster):
-            pipe.delayed_probes = probes
-        else:
-            self._wait(pipe)
+        pipeline's connections are not ours: it is waited for after it ran (:meth:`confirm`)."""
+        if self.policy is not None and not isinstance(self.store.redis, redis.RedisCluster):
+            self._wait(pipe, self.policy)
 
-    def confirm(self, pipe: redis.client.Pipeline, replies: list) -> list:
+    def confirm(self, pipe: redis.client.Pipeline, replies: list, probes: list[str]) -> list:
         """The replies of a schedule pipeline that ran, without its wait's; raises
-        :class:`StoreNotDurable` when the writes are not held as the policy asks."""
+        :class:`StoreNotDurable` when the writes are not held as the policy asks.  In a cluster, the
+        wait is on the node of each of ``probes``, a short-lived key in the slot of each group of
+        keys written (:meth:`.Keys.wait_probe`, :attr:`.Keys.dlq_wait`)."""
         if self.policy is None:
             return replies
         if isinstance(self.store.redis, redis.RedisCluster):
-            self._wait_on_nodes(pipe.delayed_probes)
+            self._wait_on_nodes(probes, self.policy)
             return replies
-        self._check(replies.pop())
+        self._check(replies.pop(), self.policy)
         return replies
 
     def command(self, key: str, *command: Any) -> Any:
@@ -582,12 +583,12 @@ class DurableWrites:
             client = client.get_node_from_key(key).redis_connection
         pipe = client.pipeline(transaction=False)
         pipe.execute_command(*command)
-        self._wait(pipe)
+        self._wait(pipe, self.policy)
         reply, acked = self.store._call_redis(pipe.execute)
-        self._check(acked)
+        self._check(acked, self.policy)
         return reply
 
-    def _wait_on_nodes(self, probes: list[str]) -> None:
+    def _wait_on_nodes(self, probes: list[str], policy: WaitPolicy) -> None:
         """``WAIT``/``WAITAOF`` on every primary that holds one of ``probes``, after the writes.
 
         Both count the writes of their own connection, and a cluster pipeline's connections are not
@@ -596,22 +597,22 @@ class DurableWrites:
         short-lived probe key, then the wait.  A primary that moved meanwhile answers ``MOVED``
         (a store error): the write is then not confirmed, and writing again is safe.
         """
-        by_node = {}
+        by_node: dict[str, tuple[ClusterNode, str]] = {}
         for probe in probes:
             node = self.store.redis.get_node_from_key(probe)
             by_node.setdefault(node.name, (node, probe))
         for node, probe in by_node.values():
             pipe = node.redis_connection.pipeline(transaction=False)
             pipe.execute_command("SET", probe, 1, "PX", 60_000)
-            self._wait(pipe)
-            self._check(self.store._unchecked(pipe.execute)[-1])
+            self._wait(pipe, policy)
+            self._check(self.store._unchecked(pipe.execute)[-1], policy)
 
-    def _wait(self, pipe: redis.client.Pipeline) -> None:
-        if self.policy.aof:
+    def _wait(self, pipe: redis.client.Pipeline, policy: WaitPolicy) -> None:
+        if policy.aof:
             self._require_waitaof()
-            pipe.execute_command("WAITAOF", 1, self.policy.replicas, self.policy.timeout_ms)
+            pipe.execute_command("WAITAOF", 1, policy.replicas, policy.timeout_ms)
         else:
-            pipe.execute_command("WAIT", self.policy.replicas, self.policy.timeout_ms)
+            pipe.execute_command("WAIT", policy.replicas, policy.timeout_ms)
 
     def _require_waitaof(self) -> None:
         """``WAITAOF`` came with Redis 7.2: say so once, rather than fail on every write."""
@@ -624,12 +625,12 @@ class DurableWrites:
                                      "instead)")
         self._waitaof_checked = True
 
-    def _check(self, acked: Any) -> None:
-        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets the policy."""
-        local, replicas = acked if self.policy.aof else (1, acked)
-        if not local or replicas < self.policy.replicas:
+    def _check(self, acked: Any, policy: WaitPolicy) -> None:
+        """Raise StoreNotDurable unless ``acked`` (a WAIT or WAITAOF reply) meets ``policy``."""
+        local, replicas = acked if policy.aof else (1, acked)
+        if not local or replicas < policy.replicas:
             raise StoreNotDurable(
-                f"store write not durable within {self.policy.timeout_ms} ms (delayed_schedule_wait="
-                f"{self.store.settings.schedule_wait!r}): {replicas} of {self.policy.replicas} replicas acknowledged "
+                f"store write not durable within {policy.timeout_ms} ms (delayed_schedule_wait="
+                f"{self.store.settings.schedule_wait!r}): {replicas} of {policy.replicas} replicas acknowledged "
                 f"it{'' if local else ', not fsynced to the AOF'}; what it wrote is on the primary and may be lost if "
                 "it fails now (writing it again is safe: scheduled tasks and dead letters keep one copy)")

@@ -132,8 +132,8 @@ class DeadLetters:
         pipe = store.redis.pipeline(transaction=False)
         self._scripts["dead_letter"](keys=self.keys, client=pipe, args=[
             letter.task_id, letter.encode(), int(settings.dlq_max_age * 1000), settings.dlq_max_entries, TRIM_LIMIT])
-        store.durable.end(pipe, [store.keys.dlq_wait])  # its message is settled next: a failover must not lose it
-        ((_, trimmed),) = store.durable.confirm(pipe, store.execute(pipe))
+        store.durable.end(pipe)  # its message is settled next: a failover must not lose it
+        ((_, trimmed),) = store.durable.confirm(pipe, store.execute(pipe), [store.keys.dlq_wait])
         if trimmed:
             logger.warning("dead-letter queue: dropped its %d oldest letter(s), past delayed_dlq_max_age=%ss "
                            "or beyond delayed_dlq_max_entries=%d", trimmed, settings.dlq_max_age,

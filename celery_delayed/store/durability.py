@@ -11,6 +11,7 @@ poller and the workers (the writes that wait for replicas or the AOF are the sto
 """
 from __future__ import annotations
 
+from typing import Any, cast
 
 import redis
 
@@ -67,11 +68,14 @@ def check_eviction(store: DelayedStore) -> None:
 def eviction_policies(client: redis.Redis | redis.RedisCluster) -> dict[str, str] | None:
     """``maxmemory-policy`` per node (``""`` for a standalone Redis); None when CONFIG GET is refused."""
     try:
+        # cast: redis-py types CONFIG GET's reply as one node's, with None values, but several nodes reply each
+        # their own, and a setting Redis has is never None
         if isinstance(client, redis.RedisCluster):
-            replies = client.config_get("maxmemory-policy", target_nodes=redis.RedisCluster.PRIMARIES)
+            replies = cast("dict[str, Any]", client.config_get("maxmemory-policy",
+                                                               target_nodes=redis.RedisCluster.PRIMARIES))
             if "maxmemory-policy" not in replies:  # more than one node: a reply per node
                 return {node: reply["maxmemory-policy"] for node, reply in replies.items()}
             return {"": replies["maxmemory-policy"]}
-        return {"": client.config_get("maxmemory-policy")["maxmemory-policy"]}
+        return {"": cast(str, client.config_get("maxmemory-policy")["maxmemory-policy"])}
     except (redis.ResponseError, KeyError):  # unknown (renamed) command, NOPERM by an ACL
         return None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.store.layout import BUCKET_SECONDS, iso_of, member_of, parse_stored, task_id_of
@@ -48,6 +49,13 @@ class Inspection:
     redis: Any
     keys: Keys
     scripts: Scripts
+
+    if TYPE_CHECKING:  # DelayedStore's
+        def partition(self, task_id: str) -> int: ...
+        def now_ms(self) -> int: ...
+        def execute(self, pipe: Any) -> list: ...
+        def _call(self, name: str, keys: list[str], args: list) -> Any: ...
+        def _call_redis(self, command: Callable, *args: Any, **kwargs: Any) -> Any: ...
 
     def get(self, task_id: str) -> dict | None:
         """Where a task stands in the store, or None if the store does not hold it."""
@@ -261,8 +269,8 @@ class Inspection:
         now_ms = self.now_ms()
         pipe = self.redis.pipeline(transaction=False)
         for p in range(self.settings.partitions):
-            self.scripts["counts"](keys=[*self.keys.core(p), self.keys.failing(p)], args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS],
-                                   client=pipe)
+            self.scripts["counts"](keys=[*self.keys.core(p), self.keys.failing(p)],
+                                   args=[self.keys.bucket_prefix(p), now_ms, BUCKET_SECONDS], client=pipe)
         return now_ms, self.execute(pipe)
 
     def fences(self) -> list[int]:

@@ -7,7 +7,8 @@ and ``lua/schedule.lua``, turned into errors in one place (:meth:`Change.check`)
 from __future__ import annotations
 
 from enum import Enum, IntEnum
-from typing import Any, Callable, Mapping
+from typing import Any, NoReturn
+from collections.abc import Callable, Mapping
 
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
@@ -125,10 +126,14 @@ class Change(IntEnum):
 
     def check(self, task_id: str, verb: str) -> None:
         """Raise :class:`TaskNotScheduled` or :class:`TaskInFlight`, naming the task, unless DONE."""
+        if self is not Change.DONE:
+            self.refuse(task_id, verb)
+
+    def refuse(self, task_id: str, verb: str) -> NoReturn:
+        """Raise :class:`TaskNotScheduled` (UNKNOWN) or :class:`TaskInFlight` (IN_FLIGHT), naming the task."""
         if self is Change.UNKNOWN:
             raise TaskNotScheduled(f"no scheduled task with id {task_id}")
-        if self is Change.IN_FLIGHT:
-            raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be {verb}")
+        raise TaskInFlight(f"task {task_id} is already being dispatched; it can no longer be {verb}")
 
 
 class Stored(str, Enum):

@@ -19,7 +19,8 @@ redis-py does not do on a cluster are done here:
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 import redis
 from redis.client import Pipeline

@@ -30,16 +30,16 @@ from celery.worker import state as worker_state
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, attempt_of
+from celery_delayed.envelope import Envelope
 from celery_delayed.kafka import consumer_config, ensure_topics
 from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.durability import worker_preflight
-from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, replace_key
+from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, Task, copy_of
 from celery_delayed.worker.offsets import OffsetTracker
 from celery_delayed.worker.drained import guard_drained
 from celery_delayed.worker.gate import PoolGate
-from celery_delayed.worker.once import ADMISSION_RETRY, Admit, Copy, RunClaims, admit
+from celery_delayed.worker.once import ADMISSION_RETRY, RunClaims, admit
 from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
 logger = inert.logger(__name__)
@@ -152,7 +152,6 @@ class KafkaFeed:
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
         self._idle_since: float | None = time.monotonic()  # reading no partition since (None: said so)
         self._thread: threading.Thread | None = None
-        self._consumer: Consumer | None = None
         self._wakeup: Wakeup | GreenWakeup | None = None
         # gevent, eventlet: the worker patched threading, so this feed's thread is a greenlet of its hub
         self._green = bool(getattr(c.pool, "is_green", False))
@@ -183,13 +182,14 @@ class KafkaFeed:
             "queued.max.messages.kbytes": 16384,  # bound what librdkafka prefetches
         })
         self._incremental = incremental(config)
-        self._consumer = Consumer(config)
+        consumer = Consumer(config)
         topics = [self.settings.topic(q) for q in self.queues]
-        self._consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
-        self._wakeup = GreenWakeup(self.c.timer, self._drain) if self._green else Wakeup(self.c.hub, self._drain)
+        consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._wakeup = wakeup = (GreenWakeup(self.c.timer, self._drain) if self._green
+                                 else Wakeup(self.c.hub, self._drain))
         self._reading.set()
         _feeds.add(self)
-        self._thread = threading.Thread(target=self._run, name="delayed-kafka", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(consumer, wakeup), name="delayed-kafka", daemon=True)
         self._thread.start()
         logger.info("consuming Kafka topics %s (group %s, group protocol %s)", topics, self.settings.consumer_group,
                     config["group.protocol"])
@@ -224,8 +224,7 @@ class KafkaFeed:
             self._thread = None
         self.claims.flush()
 
-    def _run(self) -> None:
-        consumer = self._consumer
+    def _run(self, consumer: Consumer, wakeup: Wakeup | GreenWakeup) -> None:
         last_commit = time.monotonic()
         full_since: float | None = None
         try:
@@ -243,7 +242,7 @@ class KafkaFeed:
                     self.claims.flush()
                     self._warn_if_idle(consumer)
                     if time.monotonic() - last_commit >= COMMIT_INTERVAL:
-                        self._commit(self.offsets.committable())
+                        self._commit(consumer, self.offsets.committable())
                         last_commit = time.monotonic()
                 except Exception:  # this thread must outlive any one failure, or the worker goes deaf
                     logger.exception("Kafka consumer thread: error, going on in a second")
@@ -251,9 +250,9 @@ class KafkaFeed:
         finally:
             self._drop_ready()
             self.claims.flush()  # before leaving: a copy the new owner reads must not find a claim given up
-            self._commit(self.offsets.committable())
+            self._commit(consumer, self.offsets.committable())
             self._leave(consumer)
-            self._wakeup.close()
+            wakeup.close()
             _feeds.discard(self)
 
     def _leave(self, consumer: Consumer) -> None:
@@ -365,15 +364,17 @@ class KafkaFeed:
         """Decode a record and find its task's strategy; what can never run is marked for the
         dead-letter queue (``problem``)."""
         try:
-            arrival.envelope = Envelope.decode(arrival.record.value())
+            envelope = Envelope.decode(arrival.record.value())
         except Exception as exc:  # any decoder failure (RecursionError too) is the message's
             arrival.problem, arrival.trace = f"undecodable message: {exc!r}", traceback.format_exc()
             return arrival
-        arrival.headers = dict(arrival.envelope.headers)
-        name = arrival.headers.get("task")
-        arrival.strategy = self.c.strategies.get(name) if isinstance(name, str) else None
-        if arrival.strategy is None:
+        headers = dict(envelope.headers)
+        name = headers.get("task")
+        strategy = self.c.strategies.get(name) if isinstance(name, str) else None
+        if strategy is None:
             arrival.problem = f"unknown task {name!r}"
+        else:
+            arrival.task = Task(envelope, headers, strategy)
         return arrival
 
     def _admit(self) -> None:
@@ -382,8 +383,8 @@ class KafkaFeed:
         again every :data:`ADMISSION_RETRY` s (nothing more is read meanwhile; a stopped feed
         leaves them to the next consumer), holding no claim in between."""
         arrivals = self._unadmitted
-        runnable = [a for a in arrivals if a.problem is None]
-        copies = [Copy(a.envelope.task_id, attempt_of(a.headers), replace_key(a.headers)) for a in runnable]
+        runnable = [(a, a.task) for a in arrivals if a.task is not None]
+        copies = [copy_of(task.envelope.task_id, task.headers) for _, task in runnable]
         try:
             verdicts = admit(self.claims, copies, self.c.app.backend, self.store.key_holder)
         except TRANSIENT_ERRORS as exc:
@@ -391,7 +392,7 @@ class KafkaFeed:
                            len(runnable), exc, ADMISSION_RETRY)
             self._admit_at = time.monotonic() + ADMISSION_RETRY
             return
-        for arrival, verdict in zip(runnable, verdicts):
+        for (arrival, _), verdict in zip(runnable, verdicts):
             arrival.verdict = verdict
         self._unadmitted = []
         self._hand_over(arrivals)
@@ -400,7 +401,7 @@ class KafkaFeed:
         qos = getattr(self.c, "qos", None)
         return (qos.value if qos is not None and qos.value else 0) or DEFAULT_MAX_UNSETTLED
 
-    def _commit(self, offsets: dict[tuple[str, int], int]) -> None:
+    def _commit(self, consumer: Consumer, offsets: dict[tuple[str, int], int]) -> None:
         """Commit ``offsets`` without waiting for Kafka's answer.
 
         A synchronous commit has no timeout: made while the group coordinator is unreachable (Kafka
@@ -412,8 +413,7 @@ class KafkaFeed:
         if not offsets:
             return
         try:
-            self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                                  asynchronous=True)
+            consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
         except Exception as exc:  # e.g. during a rebalance: the next commit covers it
             logger.debug("offset commit failed: %s", exc)
 
@@ -433,7 +433,7 @@ class KafkaFeed:
         logger.info("Kafka partitions %s revoked", _names(partitions))
         keys = [(tp.topic, tp.partition) for tp in partitions]
         self._paused.difference_update(keys)
-        self._commit(self.offsets.revoke(keys))
+        self._commit(consumer, self.offsets.revoke(keys))
         if self._incremental:
             consumer.incremental_unassign(partitions)
         else:
@@ -446,7 +446,7 @@ class KafkaFeed:
             scheduled, self._scheduled = self._scheduled, True
         if not self._reading.is_set():  # stopped meanwhile: the loop no longer drains
             self._drop_ready()
-        elif not scheduled:
+        elif not scheduled and self._wakeup is not None:  # set by start() before anything is read
             self._wakeup.wake()
 
     def _drop_ready(self) -> None:
@@ -457,8 +457,8 @@ class KafkaFeed:
             self._ready.clear()
             self._scheduled = False
         for arrival in dropped:
-            if _runs(arrival):
-                self.claims.release(arrival.envelope.task_id)
+            if (task_id := arrival.claimed()) is not None:
+                self.claims.release(task_id)
 
     def _drain(self) -> None:
         """On the loop thread: give every waiting record to Celery, in order.
@@ -521,8 +521,3 @@ def _close(consumer: Consumer) -> None:
 
 def _names(partitions: list[TopicPartition]) -> list[str]:
     return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
-
-
-def _runs(arrival: Arrival) -> bool:
-    """Whether an admitted record is to run here (the others are settled without a pool slot)."""
-    return arrival.verdict is not None and arrival.verdict.admit is Admit.RUN

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from kombu.message import Message
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, attempt_of
+from celery_delayed.envelope import Envelope
 from celery_delayed.store.revoke import record_revoked
-from celery_delayed.worker.intake import TRANSIENT_ERRORS, replace_key
-from celery_delayed.worker.once import ADMISSION_RETRY, DRAINED, FROM_KAFKA, Admit, Copy, RunClaims, admit
+from celery_delayed.worker.intake import TRANSIENT_ERRORS, copy_of
+from celery_delayed.worker.once import ADMISSION_RETRY, DRAINED, FROM_KAFKA, Admit, RunClaims, admit
 
 logger = inert.logger(__name__)
 
@@ -51,7 +51,7 @@ class Guard:
         app, headers = self.c.app, message.headers
         task_id = headers["id"]
         try:
-            verdict = admit(self.claims, [Copy(task_id, attempt_of(headers), replace_key(headers))], app.backend,
+            verdict = admit(self.claims, [copy_of(task_id, headers)], app.backend,
                             app.amqp.delayed_store.key_holder)[0]
         except TRANSIENT_ERRORS as exc:
             logger.warning("cannot tell yet whether drained task %s may run (%r); trying again in %.0f s",

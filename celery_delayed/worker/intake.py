@@ -35,7 +35,7 @@ from celery_delayed.store.outcomes import STORE_ERRORS
 from celery_delayed.store.revoke import record_revoked
 from celery_delayed.worker.failures import parking
 from celery_delayed.worker.offsets import OffsetTracker, PartitionOffsets
-from celery_delayed.worker.once import FROM_KAFKA, Admit, RunClaims, Verdict
+from celery_delayed.worker.once import FROM_KAFKA, Admit, Copy, RunClaims, Verdict
 
 logger = inert.logger(__name__)
 
@@ -91,28 +91,28 @@ class Intake:
         Raises only for errors outside the message (the record is tried again,
         with the run claim it holds); a message that cannot be run is dead-lettered.
         """
-        record, partition, verdict = arrival.record, arrival.partition, arrival.verdict
-        if arrival.problem is not None:
-            self._dead_letter(record, partition, arrival.problem, arrival.trace)
+        record, partition, task, verdict = arrival.record, arrival.partition, arrival.task, arrival.verdict
+        if task is None or verdict is None:  # it can never run: any other was admitted before its hand-over
+            self._dead_letter(record, partition, arrival.problem or "never admitted", arrival.trace)
             return
-        task_id = arrival.envelope.task_id
+        task_id = task.envelope.task_id
         if verdict.admit is Admit.FINISHED:
             self._skip_finished(task_id, record, partition, verdict.meta)
         elif verdict.admit in (Admit.REVOKED, Admit.REPLACED):
             logger.info("task %s was %s: recorded as REVOKED, not run", task_id, verdict.admit.value)
-            record_revoked(self.c.app, task_id, arrival.envelope, reason=verdict.admit.value)
+            record_revoked(self.c.app, task_id, task.envelope, reason=verdict.admit.value)
             metrics.SKIPPED_REVOKED.inc()
             self._settle(partition, record.offset())
         elif verdict.admit is Admit.BUSY:  # another copy is running: try again once its claim would have expired,
             # dispatched then (the poller sends it the dispatch lead early), not found still claimed again and again
             metrics.DEFERRED_DUPLICATES.inc()
-            self._put_back(task_id, record.value(), attempt_of(arrival.headers),
+            self._put_back(task_id, record.value(), attempt_of(task.headers),
                            verdict.wait_ms + int(self.settings.dispatch_lead * 1000))
             self._settle(partition, record.offset())
         else:
             self.in_hand.add(task_id)
             try:
-                self._run_claimed(arrival)
+                self._run_claimed(arrival, task)
             except _Unrunnable as exc:
                 self._release(task_id)
                 self._dead_letter(record, partition, str(exc), exc.traceback)
@@ -123,14 +123,14 @@ class Intake:
     def give_up(self, arrival: Arrival, reason: str, tb: str) -> None:
         """Dead-letter a record :meth:`dispatch` failed on again and again, by no fault it knows, its
         run claim given up."""
-        if arrival.verdict is not None and arrival.verdict.admit is Admit.RUN:
-            self._release(arrival.envelope.task_id)
+        if (task_id := arrival.claimed()) is not None:
+            self._release(task_id)
         self._dead_letter(arrival.record, arrival.partition, reason, tb)
 
-    def _run_claimed(self, arrival: Arrival) -> None:
+    def _run_claimed(self, arrival: Arrival, task: Task) -> None:
         """Give a claimed record to Celery, acknowledged or put back through the store when it ends."""
-        record, partition, envelope = arrival.record, arrival.partition, arrival.envelope
-        task_id, offset = envelope.task_id, record.offset()
+        record, partition = arrival.record, arrival.partition
+        task_id, offset = task.envelope.task_id, record.offset()
 
         def on_ack(log: Any = None, errors: Any = None) -> None:
             self._release(task_id)
@@ -139,21 +139,21 @@ class Intake:
         def on_reject(log: Any = None, errors: Any = None, requeue: bool = False) -> None:
             if requeue:  # back through the store, due now, so the requeue survives any crash
                 self._untrack(task_id)
-                self._requeue(task_id, record.value(), attempt_of(envelope.headers), partition, offset)
+                self._requeue(task_id, record.value(), attempt_of(task.envelope.headers), partition, offset)
             else:
                 self._release(task_id)
                 self._settle_once_parked(task_id, partition, offset)
 
         try:
-            message = self._message(arrival)
+            message = self._message(arrival, task)
             _check_body(message.payload)  # decoded once: kombu keeps it for Celery's strategy
-            arrival.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
+            task.strategy(message, None, on_ack, on_reject, self.c.on_task_message)
         except TRANSIENT_ERRORS:
             raise
         except Exception as exc:
             raise _Unrunnable(f"invalid task message: {exc!r}", traceback.format_exc()) from exc
 
-    def _message(self, arrival: Arrival) -> Message:
+    def _message(self, arrival: Arrival, task: Task) -> Message:
         """The kombu message Celery's strategy takes, from a record's envelope and headers.
 
         Due now: Celery's own ETA timer must not hold it again; the ETA travels in our header,
@@ -161,7 +161,7 @@ class Intake:
         and task code (benchmarks) can read when each hop happened.  Dispatched ahead of its
         due time (delayed_dispatch_lead), Celery's timer holds it for the rest of the lead.
         """
-        record, envelope, headers = arrival.record, arrival.envelope, arrival.headers
+        record, envelope, headers = arrival.record, task.envelope, task.headers
         marks = _record_headers(record)
         due_ms, claimed_ms, now_ms = marks.get(DUE_HEADER), marks.get(CLAIMED_HEADER), int(time.time() * 1000)
         eta = iso_of(due_ms)
@@ -307,20 +307,39 @@ class Intake:
 
 
 @dataclass
+class Task:
+    """The task of a record that can run: its decoded message, and Celery's strategy for it."""
+
+    envelope: Envelope
+    headers: dict  # the envelope's, which the hand-over edits
+    strategy: Any  # Celery's strategy for its task (a closure Celery does not type)
+
+
+@dataclass
 class Arrival:
-    """A record read from Kafka, on its way to Celery: decoded and admitted by the Kafka thread,
-    acted on by the loop."""
+    """A record read from Kafka, on its way to Celery: decoded (``task``, or a ``problem``) and
+    admitted (``verdict``) by the Kafka thread, acted on by the loop."""
 
     record: Any
     partition: PartitionOffsets
     read_ms: int  # when it was read (ms since the epoch)
-    envelope: Envelope | None = None
-    headers: dict | None = None
-    strategy: Any = None  # Celery's strategy for its task
+    task: Task | None = None  # None when it has a problem
     problem: str | None = None  # why it can never run (dead-lettered), with its traceback
     trace: str = ""
     verdict: Verdict | None = None  # what admit() decided; None when it has a problem
     tries: int = 0  # hand-overs that failed by an error of no known transient kind
+
+    def claimed(self) -> str | None:
+        """The task id of a record admitted to run here (its run claim taken; the others are settled
+        without a pool slot), else None."""
+        if self.task is None or self.verdict is None or self.verdict.admit is not Admit.RUN:
+            return None
+        return self.task.envelope.task_id
+
+
+def copy_of(task_id: str, headers: dict) -> Copy:
+    """What :func:`.once.admit` decides on for a copy of a task, from its message's headers."""
+    return Copy(task_id, attempt_of(headers), replace_key(headers))
 
 
 def replace_key(headers: dict) -> str | None:

@@ -78,7 +78,7 @@ from celery.worker.request import Request
 from kombu.utils.json import dumps
 from celery_delayed.envelope import Envelope
 from celery_delayed.worker import failures
-from celery_delayed.worker.intake import Arrival, Intake
+from celery_delayed.worker.intake import Arrival, Intake, Task
 from celery_delayed.worker.offsets import OffsetTracker
 from celery_delayed.worker.once import Admit, Verdict
 task, later, requests = app.tasks["tasks.demo.add"], [], []
@@ -95,8 +95,8 @@ headers, properties, body, _ = app.amqp.create_task_message(str(uuid.uuid4()), t
 envelope = Envelope(task_id=headers["id"], queue="celery", headers=headers, body=dumps(body).encode(),
                     content_type="application/json", content_encoding="utf-8")
 record = SimpleNamespace(headers=lambda: [], timestamp=lambda: (1, 0), offset=lambda: 0, value=envelope.encode)
-intake.dispatch(Arrival(record, offsets.add(key, 0), 0, envelope=envelope, headers=dict(headers),
-                        strategy=strategy, verdict=Verdict(Admit.RUN)))
+intake.dispatch(Arrival(record, offsets.add(key, 0), 0, task=Task(envelope, dict(headers), strategy),
+                        verdict=Verdict(Admit.RUN)))
 (request,) = requests
 request.on_timeout(False, 3)
 held = offsets.committable()[key]

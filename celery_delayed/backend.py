@@ -14,15 +14,18 @@ from __future__ import annotations
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from kombu.utils.objects import cached_property
 
-from celery_delayed.store.scripts import Scripts
+from celery_delayed.store.redis_client import Script
+from celery_delayed.store.scripts import source
 
 
 class RedisBackend(CeleryRedisBackend):
     """Celery's Redis backend with atomic first-terminal-result-wins writes."""
 
     @cached_property
-    def _store_once(self):
-        return Scripts(self.client)["store_result"]
+    def _store_once(self) -> Script:
+        # the one script it needs: a green worker builds a backend per task (Celery's app.backend is
+        # thread-local, and a green worker's threads are greenlets), so registering all cost every task
+        return Script(self.client, source("store_result"))
 
     def _set(self, key, value, expires=None):
         if self.serializer != "json":

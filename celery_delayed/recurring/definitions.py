@@ -406,8 +406,11 @@ class Definitions:
                     live.append((held, nominal))
             except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
                 faults[schedule_id] = f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}"
-        running = self._running([held for (held, _), misfire in zip(live, misfires)
-                                 if misfire.runs and not held.parsed_options.overlap], now_ms)
+        # the last run being this very occurrence is a copy dispatched again (its poller died after the
+        # advance, before Kafka had it): it overlaps nothing, and goes (a worker runs one task id once)
+        running = self._running([held for (held, nominal), misfire in zip(live, misfires)
+                                 if misfire.runs and not held.parsed_options.overlap and held.last_ms != nominal],
+                                now_ms)
         steps = {}  # schedule id -> (held, successor, runs, overlapped, misfire, whether it moves the chain)
         for (held, nominal), misfire in zip(live, misfires):
             overlapped = held.schedule_id in running

@@ -56,6 +56,8 @@ THROTTLED_RETRY_MS = 50
 STORE_RETRY_MS = 1000
 #: Seconds between two looks at whether the workers read every queue's topic.
 READERS_EVERY = 30.0
+#: Seconds between two looks at the marks of recurring schedule puts (:meth:`Poller._complete_stopped_puts`).
+PUTS_EVERY = 10.0
 
 
 class RateLimit:
@@ -134,6 +136,7 @@ class Poller:
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
         threading.Thread(target=self._watch_readers, name="delayed-readers", daemon=True).start()
+        threading.Thread(target=self._complete_stopped_puts, name="delayed-puts", daemon=True).start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(**{self.store.keys.wake: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
@@ -454,6 +457,24 @@ class Poller:
             for queue in sorted(unread - topics.keys()):
                 logger.info("queue %s: its topic is read again", queue)
             unread = set(topics)
+
+    def _complete_stopped_puts(self) -> None:
+        """Every :data:`PUTS_EVERY` s, off the dispatch path: complete the recurring schedule puts that
+        stopped after their compare-and-set (the client killed, or its next write failed), those whose mark
+        the look before found already, at the same version (a put under way clears its own in
+        milliseconds).  Else such a schedule ran no more until a poller started: its old occurrence
+        is stale, its new one never written."""
+        seen: dict[str, int] = {}
+        while not self._stopping.wait(PUTS_EVERY):
+            try:
+                marks = self.recurring.marks()
+                stopped = {schedule_id: version for schedule_id, version in marks.items()
+                           if seen.get(schedule_id) == version}
+                if stopped:
+                    self.recurring.complete_puts(stopped)
+                seen = marks
+            except STORE_ERRORS as exc:  # the store away: look again later
+                logger.warning("cannot complete the stopped puts of recurring schedules: %s", exc)
 
     def _lead(self) -> None:
         interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)

@@ -14,8 +14,9 @@ Every write is crash-safe and safe to race:
   step, marks the put as pending; then writes its pending occurrence, clears the mark, and cancels the
   previous one.  An occurrence is stored with its definition's version as its attempt number, so a
   newer definition's copy of an id replaces an older one's and never the reverse.  A put that stopped
-  after its compare-and-set is completed by the next put of the same definition, or by any poller's
-  start (:meth:`Definitions.sync`), which completes the marked ones only: it never writes a healthy
+  after its compare-and-set is completed by the next put of the same definition, by any poller's
+  start (:meth:`Definitions.sync`), or by a running poller once its mark is old (:meth:`complete_puts`),
+  which complete the marked ones only: it never writes a healthy
   schedule's occurrence again (that would supersede a copy another poller has in flight).
 - :meth:`Definitions.advance_many` runs in the poller before a claim's occurrences are produced: it
   writes their successors (in bulk: a read of their definitions, a write of the successors, a
@@ -331,15 +332,21 @@ class Definitions:
             if held.schedule_id not in synced and held.origin == origin:
                 self.remove(held.schedule_id)
 
-    def complete_puts(self) -> int:
-        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
-        which marked it (``lua/recurring_put.lua``), and clear the marks; the other schedules are left
-        alone.  Returns how many occurrences were written."""
+    def marks(self) -> dict[str, int]:
+        """The marks of the puts whose pending occurrence is being written (``lua/recurring_put.lua``):
+        schedule id -> version, in one round trip."""
         pipe = self.store.redis.pipeline(transaction=False)
         for partition in range(self.store.settings.partitions):
             pipe.hgetall(self.store.keys.recurring_putting(partition))
-        marks = {schedule_id.decode(): int(version)
-                 for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+        return {schedule_id.decode(): int(version)
+                for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+
+    def complete_puts(self, marks: dict[str, int] | None = None) -> int:
+        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
+        which marked it, and clear the marks; the other schedules are left alone.  ``marks``: only those
+        (of :meth:`marks`), else all.  Returns how many occurrences were written."""
+        if marks is None:
+            marks = self.marks()
         if not marks:
             return 0
         stored = {schedule_id.encode(): data for schedule_id, data in zip(marks, self._stored_many(list(marks)))

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 from celery_delayed import Schedules, store_of
+from celery_delayed.poller.loop import PUTS_EVERY
 from celery_delayed.recurring.definitions import BEAT, Definitions
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
@@ -99,6 +100,23 @@ def test_a_put_killed_after_its_compare_and_set_is_completed_by_the_next_poller_
     processes.poller()
     wait_for(lambda: store.get(held.pending_id) is not None, 30, "the poller's start to write the occurrence")
     assert store.get(held.pending_id)["state"] == "scheduled"
+    assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0
+
+
+def test_a_put_killed_after_its_compare_and_set_is_completed_by_a_running_poller(overrides, processes):
+    """A put whose client dies (or whose write fails) between its compare-and-set and its occurrence, while
+    the pollers run: the old version's occurrence is stale, the new one never written, so the schedule ran
+    no more until a poller started.  A running poller completes a put whose mark two looks find unchanged."""
+    run = overrides["delayed_key_prefix"]
+    store = store_of(create_app(**overrides))
+    poller = processes.poller()
+    wait_for(lambda: "started" in processes.log(poller), 30, "the poller to start (its start completes puts too)")
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUT, run], cwd=ROOT, env=environment(overrides),
+                            capture_output=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    held = Definitions(store).get("killed")
+    assert held is not None and store.get(held.pending_id) is None
+    wait_for(lambda: store.get(held.pending_id) is not None, 2 * PUTS_EVERY + 10, "the poller to complete the put")
     assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0
 
 

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import redis
 from confluent_kafka import KafkaException, Producer
 
 from celery_delayed import inert
@@ -249,11 +250,19 @@ class Poller:
         timeout.  A copy whose schedule cannot be read (a corrupt definition or occurrence) is
         dead-lettered: only it, never the poller, stops."""
         candidates = [(task_id, data) for task_id, _, data in claim.items if maybe_occurrence(task_id)]
-        if not candidates:
-            return set()
+        return self._advance(partition, claim, candidates) if candidates else set()
+
+    def _advance(self, partition: int, claim: Claim, candidates: list[tuple[str, bytes]]) -> set[str]:
+        """:meth:`_advance_occurrences` of ``candidates`` (task id, message).  A command that Redis refuses
+        for what a key holds (WRONGTYPE: a definitions key written over), not for its own state, is one
+        schedule's fault: the candidates are then advanced one by one, and only those it concerns stay in
+        flight.  Advanced together, the others stayed with them and were claimed again with them, each
+        visibility timeout, never to run."""
         try:
             advances = self.recurring.advance_many([data for _, data in candidates], claim.now_ms)
         except STORE_ERRORS as exc:
+            if len(candidates) > 1 and isinstance(exc, redis.ResponseError):  # (refusals: StoreRefused)
+                return set().union(*(self._advance(partition, claim, [candidate]) for candidate in candidates))
             logger.warning("cannot write the next occurrences of %d recurring schedule(s) (%s): due again after "
                            "the visibility timeout", len(candidates), exc)
             return {task_id for task_id, _ in candidates}

@@ -467,10 +467,13 @@ class Definitions:
                 if claimed or (now_ms - last_ms < self.grace_ms and not done)}
 
     def _next(self, held: Definition, after_ms: int) -> int | None:
-        """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
-        for years (its chain ends)."""
+        """The schedule's next time after ``after_ms``; None past its end, for a crontab with no time
+        for years, or for a time the store cannot hold (after 2106): its chain ends."""
         try:
-            return held.parsed_options.within(held.parsed_rule.next_after(after_ms))
+            at = held.parsed_options.within(held.parsed_rule.next_after(after_ms))
+            if at is not None and held.parsed_options.due_ms(held.schedule_id, at) >= MAX_DUE_MS:
+                raise ValueError(f"its next time ({at} ms) is after 2106, beyond what the store holds")
+            return at
         except ValueError as exc:
             logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
             return None

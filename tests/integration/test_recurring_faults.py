@@ -201,3 +201,18 @@ def test_a_definitions_key_of_another_type_holds_back_only_the_occurrences_of_it
              lambda: f"5 runs of each fine schedule: {[len(t.counts()) for t in ticks.values()]}; poller log:\n"
                      f"{processes.log(poller)[-3000:]}")
     processes.check_alive()
+
+
+def test_a_chain_whose_next_time_is_beyond_the_store_s_range_ends_and_no_poller_stops(overrides, processes):
+    """Every 100 years: the first time (2070, moved to now here) fits the store, the next (2170) does not.
+    Its successor's write raised ValueError out of the claim's advance, which stopped the poller (exit
+    1), and each next leader too (it takes the copy back with its first claim): the chain ends there now."""
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    held = schedules.upsert("century", app.signature("tasks.demo.add", args=(1, 2)), 100 * 365 * 86400)
+    store.reschedule(held.pending_id, store.now_ms())
+    poller = processes.poller()
+    wait_for(lambda: schedules.get("century").pending_ms is None, 30,
+             lambda: f"the chain to end; poller log:\n{processes.log(poller)[-3000:]}")
+    assert "recurring schedule century ends: its next time" in processes.log(poller)
+    processes.check_alive()

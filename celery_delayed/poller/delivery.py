@@ -64,6 +64,7 @@ class Delivery:
         self._alone: tuple[str, int] | None = None  # the copy being sent on its own
         self._pending = 0
         self.clock_offset_ms = 0  # Redis clock minus local clock, as the poller last saw it
+        self._expired = 0  # the last expired claim a copy was not sent of (said once a claim)
 
     @property
     def pending(self) -> int:
@@ -77,7 +78,16 @@ class Delivery:
 
     def produce(self, partition: int, task_id: str, stamp: int, due_ms: int, data: bytes,
                  headers: list[tuple[str, str | bytes | None]] | None = None) -> int:
-        """Route one claimed message to its topic and hand it to the producer; 1 when handed."""
+        """Route one claimed message to its topic and hand it to the producer; 1 when handed.  Not a copy
+        whose claim expired (``stamp``, its deadline, passed: this poller was paused past it), which the
+        next claim, of the next leader most likely, took back and sent: sent again whenever the paused
+        poller goes on, however late, it would run a second time once its run record had lapsed."""
+        if time.time() * 1000 + self.clock_offset_ms >= stamp:
+            if stamp != self._expired:
+                self._expired = stamp
+                logger.warning("claim of partition %d expired before its copies went to Kafka (this poller was "
+                               "paused?): the rest is left to the next claim", partition)
+            return 0
         try:
             topic = self._checked_topic(queue_of(data))
         except Exception as exc:  # whatever one message does (RecursionError...), only it is parked

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import redis
 from confluent_kafka import KafkaException, Producer
 
 from celery_delayed import inert
@@ -56,6 +57,8 @@ THROTTLED_RETRY_MS = 50
 STORE_RETRY_MS = 1000
 #: Seconds between two looks at whether the workers read every queue's topic.
 READERS_EVERY = 30.0
+#: Seconds between two looks at the marks of recurring schedule puts (:meth:`Poller._complete_stopped_puts`).
+PUTS_EVERY = 10.0
 
 
 class RateLimit:
@@ -134,6 +137,7 @@ class Poller:
         leader = threading.Thread(target=self._lead, name="delayed-leadership", daemon=True)
         leader.start()
         threading.Thread(target=self._watch_readers, name="delayed-readers", daemon=True).start()
+        threading.Thread(target=self._complete_stopped_puts, name="delayed-puts", daemon=True).start()
         pubsub = self.store.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(**{self.store.keys.wake: self._on_wake})
         waker = pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_pubsub_error)
@@ -246,11 +250,19 @@ class Poller:
         timeout.  A copy whose schedule cannot be read (a corrupt definition or occurrence) is
         dead-lettered: only it, never the poller, stops."""
         candidates = [(task_id, data) for task_id, _, data in claim.items if maybe_occurrence(task_id)]
-        if not candidates:
-            return set()
+        return self._advance(partition, claim, candidates) if candidates else set()
+
+    def _advance(self, partition: int, claim: Claim, candidates: list[tuple[str, bytes]]) -> set[str]:
+        """:meth:`_advance_occurrences` of ``candidates`` (task id, message).  A command that Redis refuses
+        for what a key holds (WRONGTYPE: a definitions key written over), not for its own state, is one
+        schedule's fault: the candidates are then advanced one by one, and only those it concerns stay in
+        flight.  Advanced together, the others stayed with them and were claimed again with them, each
+        visibility timeout, never to run."""
         try:
             advances = self.recurring.advance_many([data for _, data in candidates], claim.now_ms)
         except STORE_ERRORS as exc:
+            if len(candidates) > 1 and isinstance(exc, redis.ResponseError):  # (refusals: StoreRefused)
+                return set().union(*(self._advance(partition, claim, [candidate]) for candidate in candidates))
             logger.warning("cannot write the next occurrences of %d recurring schedule(s) (%s): due again after "
                            "the visibility timeout", len(candidates), exc)
             return {task_id for task_id, _ in candidates}
@@ -454,6 +466,24 @@ class Poller:
             for queue in sorted(unread - topics.keys()):
                 logger.info("queue %s: its topic is read again", queue)
             unread = set(topics)
+
+    def _complete_stopped_puts(self) -> None:
+        """Every :data:`PUTS_EVERY` s, off the dispatch path: complete the recurring schedule puts that
+        stopped after their compare-and-set (the client killed, or its next write failed), those whose mark
+        the look before found already, at the same version (a put under way clears its own in
+        milliseconds).  Else such a schedule ran no more until a poller started: its old occurrence
+        is stale, its new one never written."""
+        seen: dict[str, int] = {}
+        while not self._stopping.wait(PUTS_EVERY):
+            try:
+                marks = self.recurring.marks()
+                stopped = {schedule_id: version for schedule_id, version in marks.items()
+                           if seen.get(schedule_id) == version}
+                if stopped:
+                    self.recurring.complete_puts(stopped)
+                seen = marks
+            except STORE_ERRORS as exc:  # the store away: look again later
+                logger.warning("cannot complete the stopped puts of recurring schedules: %s", exc)
 
     def _lead(self) -> None:
         interval = min(LEADERSHIP_INTERVAL, self.settings.lease_ttl / 3)

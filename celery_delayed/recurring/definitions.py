@@ -14,8 +14,9 @@ Every write is crash-safe and safe to race:
   step, marks the put as pending; then writes its pending occurrence, clears the mark, and cancels the
   previous one.  An occurrence is stored with its definition's version as its attempt number, so a
   newer definition's copy of an id replaces an older one's and never the reverse.  A put that stopped
-  after its compare-and-set is completed by the next put of the same definition, or by any poller's
-  start (:meth:`Definitions.sync`), which completes the marked ones only: it never writes a healthy
+  after its compare-and-set is completed by the next put of the same definition, by any poller's
+  start (:meth:`Definitions.sync`), or by a running poller once its mark is old (:meth:`complete_puts`),
+  which complete the marked ones only: it never writes a healthy
   schedule's occurrence again (that would supersede a copy another poller has in flight).
 - :meth:`Definitions.advance_many` runs in the poller before a claim's occurrences are produced: it
   writes their successors (in bulk: a read of their definitions, a write of the successors, a
@@ -331,15 +332,21 @@ class Definitions:
             if held.schedule_id not in synced and held.origin == origin:
                 self.remove(held.schedule_id)
 
-    def complete_puts(self) -> int:
-        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
-        which marked it (``lua/recurring_put.lua``), and clear the marks; the other schedules are left
-        alone.  Returns how many occurrences were written."""
+    def marks(self) -> dict[str, int]:
+        """The marks of the puts whose pending occurrence is being written (``lua/recurring_put.lua``):
+        schedule id -> version, in one round trip."""
         pipe = self.store.redis.pipeline(transaction=False)
         for partition in range(self.store.settings.partitions):
             pipe.hgetall(self.store.keys.recurring_putting(partition))
-        marks = {schedule_id.decode(): int(version)
-                 for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+        return {schedule_id.decode(): int(version)
+                for held in self.store.execute(pipe) for schedule_id, version in held.items()}
+
+    def complete_puts(self, marks: dict[str, int] | None = None) -> int:
+        """Write the pending occurrence of each put (or resume) that stopped after its compare-and-set,
+        which marked it, and clear the marks; the other schedules are left alone.  ``marks``: only those
+        (of :meth:`marks`), else all.  Returns how many occurrences were written."""
+        if marks is None:
+            marks = self.marks()
         if not marks:
             return 0
         stored = {schedule_id.encode(): data for schedule_id, data in zip(marks, self._stored_many(list(marks)))
@@ -406,8 +413,11 @@ class Definitions:
                     live.append((held, nominal))
             except Exception as exc:  # whatever one occurrence or definition holds, only its copy is parked
                 faults[schedule_id] = f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}"
-        running = self._running([held for (held, _), misfire in zip(live, misfires)
-                                 if misfire.runs and not held.parsed_options.overlap], now_ms)
+        # the last run being this very occurrence is a copy dispatched again (its poller died after the
+        # advance, before Kafka had it): it overlaps nothing, and goes (a worker runs one task id once)
+        running = self._running([held for (held, nominal), misfire in zip(live, misfires)
+                                 if misfire.runs and not held.parsed_options.overlap and held.last_ms != nominal],
+                                now_ms)
         steps = {}  # schedule id -> (held, successor, runs, overlapped, misfire, whether it moves the chain)
         for (held, nominal), misfire in zip(live, misfires):
             overlapped = held.schedule_id in running
@@ -457,10 +467,13 @@ class Definitions:
                 if claimed or (now_ms - last_ms < self.grace_ms and not done)}
 
     def _next(self, held: Definition, after_ms: int) -> int | None:
-        """The schedule's next time after ``after_ms``; None past its end, or for a crontab with no time
-        for years (its chain ends)."""
+        """The schedule's next time after ``after_ms``; None past its end, for a crontab with no time
+        for years, or for a time the store cannot hold (after 2106): its chain ends."""
         try:
-            return held.parsed_options.within(held.parsed_rule.next_after(after_ms))
+            at = held.parsed_options.within(held.parsed_rule.next_after(after_ms))
+            if at is not None and held.parsed_options.due_ms(held.schedule_id, at) >= MAX_DUE_MS:
+                raise ValueError(f"its next time ({at} ms) is after 2106, beyond what the store holds")
+            return at
         except ValueError as exc:
             logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
             return None

@@ -38,7 +38,7 @@ from celery_delayed.settings import RATE, ConfigurationError, Settings, WaitPoli
 from celery_delayed.store.inspection import Inspection
 from celery_delayed.store.keys import Keys
 from celery_delayed.store.layout import (BUCKET_SECONDS, LAYOUT_FORMAT, MAX_DUE_MS, MAX_LANE, READS_FORMATS,
-    due_ms_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
+    due_ms_of, lane_of, member_of, parse_stored, partition_of, stored_message, task_id_of)
 from celery_delayed.store.outcomes import (STORE_ERRORS, Change, Fenced, LayoutMismatch, StoreNotDurable, Stored,
     StoreRefused, StoreUnavailable, write_retrying)
 from celery_delayed.store.redis_client import UNREACHABLE, connect, execute, refusal
@@ -123,7 +123,8 @@ class DelayedStore(Inspection):
         """Store ``(task_id, due_ms, envelope_bytes)`` items, each attempt number ``attempt``
         (first attempts by default), in bulk; returns how many were stored.  An item may add its
         envelope's queue, ``(task_id, due_ms, envelope_bytes, queue)``, when the caller knows it: its
-        lane is then taken from it, not read from the envelope (an inflate per task when deflated).
+        lane is then taken from it, not read from the envelope (an inflate per task when deflated);
+        one item a batch is checked (``ValueError`` when its queue is not its envelope's).
 
         An id the store already holds keeps its stored copy while that one is
         scheduled (or is a later attempt); a copy in flight (being dispatched) of
@@ -170,6 +171,7 @@ class DelayedStore(Inspection):
         done = 0
         for batch in _chunks(items, SCHEDULE_BATCH):
             by_partition: dict[int, list] = {}
+            checked = False  # whether an item's queue given was checked against its message's
             for index, item in enumerate(batch):
                 task_id, due_ms, data, queue = item if len(item) == 4 else (*item, None)
                 if (type(task_id) is not str or type(due_ms) is not int or type(data) is not bytes or not task_id
@@ -177,6 +179,8 @@ class DelayedStore(Inspection):
                         or (queue is not None and type(queue) is not str)):
                     # the slow path names the problem
                     due_ms = _checked_due_ms(task_id, due_ms, data, done + index, queue)
+                if queue is not None and not checked:
+                    checked = _check_queue_given(task_id, data, queue, done + index)
                 by_partition.setdefault(self.partition(task_id), []).extend(
                     (member_of(task_id), due_ms, attempt if attempts is None else attempts[done + index],
                      stored_message(due_ms, data, queue)))
@@ -533,6 +537,15 @@ def _checked_due_ms(task_id: object, due_ms: object, data: object, index: int, q
     if queue is not None and not isinstance(queue, str):
         raise ValueError(f"item {index} ({task_id}): queue must be a str, got {type(queue).__name__}")
     return _in_range(int(due_ms), f"item {index} ({task_id}): ")
+
+
+def _check_queue_given(task_id: str, data: bytes, queue: str, index: int) -> bool:
+    """True when item ``index``'s queue given puts it in its message's lane; else ``ValueError`` naming
+    both: in another lane, a task is dispatched to its message's queue, yet that queue's pause does not
+    hold it.  Checked for one item a batch (reading the queue of a deflated message inflates it)."""
+    if stored_message(0, data, queue) != stored_message(0, data):
+        raise ValueError(f"item {index} ({task_id}): queue {queue!r} given, its message's is {lane_of(data)!r}")
+    return True
 
 
 def _in_range(due_ms: int, what: str = "") -> int:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -75,22 +76,30 @@ def test_kill_9_of_a_poller_mid_dispatch_loses_no_task(overrides, processes):
              "the store to be empty")
 
 
-def test_the_next_leader_dispatches_what_a_killed_one_claimed_without_waiting_for_the_visibility_timeout(
-        overrides, processes):
-    """A poller killed between its claim and Kafka (its first produce): the copies it claimed are in flight
-    under a visibility timeout of ten minutes; the poller that leads next sends them within its takeover."""
-    n = 50
-    overrides.update(delayed_partitions=1, delayed_visibility_timeout=600)
+def signalled_at_first_produce(overrides: dict, processes, n: int, visibility_s: int, signal_name: str
+                               ) -> tuple[Settings, DelayedStore, TopicReader, subprocess.Popen, Path]:
+    """``n`` tasks due in one partition, a reader of their topic, and a poller sending itself ``signal_name``
+    at its first produce (:mod:`.killer_poller`): settings, store, reader, the poller and its log."""
+    overrides.update(delayed_partitions=1, delayed_visibility_timeout=visibility_s)
     settings = Settings.from_conf(overrides)
     store = DelayedStore(settings)
     queue = overrides["task_default_queue"]
     reader = TopicReader(settings, settings.topic(queue))
     assert store.schedule_many(envelopes(n, queue, now_ms())) == n
-    log = processes.logdir / "killer.log"
-    killer = subprocess.Popen([sys.executable, "-m", "tests.integration.killer_poller", "before_produce", "0", "any"],
-                              cwd=ROOT, env=environment(overrides), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    processes.procs.append((killer, log))
+    log = processes.logdir / f"{signal_name}.log"
+    poller = subprocess.Popen([sys.executable, "-m", "tests.integration.killer_poller", "before_produce", "0", "any",
+                               signal_name], cwd=ROOT, env=environment(overrides), stdout=log.open("wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    processes.procs.append((poller, log))
+    return settings, store, reader, poller, log
+
+
+def test_the_next_leader_dispatches_what_a_killed_one_claimed_without_waiting_for_the_visibility_timeout(
+        overrides, processes):
+    """A poller killed between its claim and Kafka (its first produce): the copies it claimed are in flight
+    under a visibility timeout of ten minutes; the poller that leads next sends them within its takeover."""
+    n = 50
+    settings, store, reader, killer, log = signalled_at_first_produce(overrides, processes, n, 600, "SIGKILL")
     assert killer.wait(timeout=60) == -signal.SIGKILL, log.read_text()
     assert "killing myself" in log.read_text() and store.counts()[0]["inflight"] == n
 
@@ -99,6 +108,27 @@ def test_the_next_leader_dispatches_what_a_killed_one_claimed_without_waiting_fo
     reader.close()
     assert len(keys) == n, f"{n - len(keys)} of the killed poller's claimed tasks not sent within its takeover"
     wait_for(lambda: store.counts()[0]["inflight"] + store.counts()[0]["scheduled"] == 0, 30, "the store to be empty")
+
+
+def test_a_leader_paused_past_its_claim_s_deadline_sends_none_of_its_copies_when_it_goes_on(overrides, processes):
+    """A leader stopped (SIGSTOP: a paused VM, a debugger) between its claim and Kafka, past its lease and its
+    claim's visibility timeout: the next leader sends the copies.  Continued, the old one sent every copy it
+    had claimed again, however late: a task whose run record (``delayed_done_ttl``) had lapsed meanwhile ran
+    twice.  A copy whose claim expired is another claim's now: it sends none."""
+    n = 50
+    settings, store, reader, stopped, log = signalled_at_first_produce(overrides, processes, n, 3, "SIGSTOP")
+    wait_for(lambda: "killing myself" in log.read_text(), 60, "the leader to stop itself before its first produce")
+    processes.poller()
+    assert len(reader.read_until(n, timeout=settings.lease_ttl + 20)) == n
+    wait_for(lambda: sum(r["scheduled"] + r["inflight"] for r in store.counts()) == 0, 30, "the store to be empty")
+    time.sleep(settings.visibility_timeout)  # its claim expired (the next leader may take its copies back sooner)
+    os.kill(stopped.pid, signal.SIGCONT)
+    wait_for(lambda: "lost its etcd lease" in log.read_text(), 30, "the old leader to go on")
+    time.sleep(3)
+    while reader.read(timeout=1.0):
+        pass
+    reader.close()
+    assert sum(reader.keys.values()) == n, f"{sum(reader.keys.values()) - n} copies sent again by the old leader"
 
 
 def leading_one_partition(overrides: dict) -> tuple[Settings, DelayedStore, Leadership, int, Poller]:

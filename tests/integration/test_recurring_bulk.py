@@ -14,9 +14,11 @@ import sys
 import textwrap
 
 from celery_delayed import Schedules, store_of
+from celery_delayed.poller.loop import PUTS_EVERY
 from celery_delayed.recurring.definitions import BEAT, Definitions
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
+from celery_delayed.store.layout import member_of, parse_stored
 from tasks import create_app
 
 from .support import ROOT, environment, own_redis, wait_for
@@ -101,6 +103,23 @@ def test_a_put_killed_after_its_compare_and_set_is_completed_by_the_next_poller_
     assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0
 
 
+def test_a_put_killed_after_its_compare_and_set_is_completed_by_a_running_poller(overrides, processes):
+    """A put whose client dies (or whose write fails) between its compare-and-set and its occurrence, while
+    the pollers run: the old version's occurrence is stale, the new one never written, so the schedule ran
+    no more until a poller started.  A running poller completes a put whose mark two looks find unchanged."""
+    run = overrides["delayed_key_prefix"]
+    store = store_of(create_app(**overrides))
+    poller = processes.poller()
+    wait_for(lambda: "started" in processes.log(poller), 30, "the poller to start (its start completes puts too)")
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUT, run], cwd=ROOT, env=environment(overrides),
+                            capture_output=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    held = Definitions(store).get("killed")
+    assert held is not None and store.get(held.pending_id) is None
+    wait_for(lambda: store.get(held.pending_id) is not None, 2 * PUTS_EVERY + 10, "the poller to complete the put")
+    assert store.redis.hlen(store.keys.recurring_putting(store.partition("killed"))) == 0
+
+
 def test_a_definition_of_the_first_format_is_read_and_advanced_then_stored_packed(overrides, processes):
     """A definition written before the packed format (one JSON object, the template in base64) still
     reads the same, and a poller advances its chain (``lua/recurring_put.lua`` reads both): the chain's
@@ -119,3 +138,22 @@ def test_a_definition_of_the_first_format_is_read_and_advanced_then_stored_packe
     processes.poller()
     wait_for(lambda: schedules.get(schedule_id).pending_ms >= held.pending_ms + 2000, 30, "the chain to move on")
     assert not store.redis.hget(key, schedule_id).startswith(b"{")
+
+
+def test_an_occurrence_dispatched_again_after_its_advance_is_no_overlap_of_itself(overrides):
+    """A poller killed (or stopped past its lease) after advancing an occurrence of an ``overlap=False``
+    schedule, before Kafka had it: the copy, claimed again (the new leader's handover, or the visibility
+    timeout, both within the grace), goes.  The definition's last run is that very occurrence, which no
+    worker started: taken for a run still going, the copy was dropped unsent and the occurrence lost."""
+    run = overrides["delayed_key_prefix"]
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    schedule_id = f"{run}:alone"
+    held = schedules.upsert(schedule_id, app.signature("tasks.demo.tick", args=(run,)), 60, overlap=False)
+    stored = store.redis.hget(store.keys.msgs(store.partition(held.pending_id)), member_of(held.pending_id))
+    _, _, message = parse_stored(stored)
+    definitions = Definitions(store)
+    first = definitions.advance_many([message], held.pending_ms)[0]  # the killed poller's
+    again = definitions.advance_many([message], held.pending_ms + 2000)[0]  # its successor's, 2 s on
+    assert first.goes and first.fired
+    assert again.goes and not again.overlapped and not again.fired, again

@@ -178,3 +178,41 @@ def test_a_page_of_no_schedules_is_refused_not_a_cursor_that_never_moves(overrid
     schedules.upsert("one", app.signature("tasks.demo.add", args=(1, 2)), 3600)
     with pytest.raises(ValueError, match="a page of recurring schedules holds 1 or more, got 0"):
         schedules.list(count=0)
+
+
+def test_a_definitions_key_of_another_type_holds_back_only_the_occurrences_of_its_own_schedules(overrides, processes):
+    """Occurrences are advanced a claim at a time: one whose definitions key is written over (WRONGTYPE)
+    failed the advance of every occurrence claimed with it, which stayed in flight with it, were claimed
+    again with it each visibility timeout, and never ran again.  Only its own stay in flight now."""
+    overrides.update(delayed_partitions=2)
+    run = overrides["delayed_key_prefix"]
+    app = create_app(**runtime(overrides))
+    schedules, store = Schedules(app), store_of(app)
+    names = [f"s{i}" for i in range(60)]
+    broken = next(name for name in names if store.partition(name) == 1)
+    fine = [name for name in names if store.partition(name) == 0][:8]  # each claimed with broken's half the time
+    for name in [broken, *fine]:
+        schedules.upsert(name, app.signature("tasks.demo.tick", args=(f"{run}-{name}",)), PERIOD_MS / 1000)
+    store.redis.set(store.keys.recurring(1), "not a hash")
+    processes.worker()
+    poller = processes.poller()
+    ticks = {name: Ticks(store.settings, f"{run}-{name}") for name in fine}
+    wait_for(lambda: all(len(t.counts()) >= 5 for t in ticks.values()), 40,
+             lambda: f"5 runs of each fine schedule: {[len(t.counts()) for t in ticks.values()]}; poller log:\n"
+                     f"{processes.log(poller)[-3000:]}")
+    processes.check_alive()
+
+
+def test_a_chain_whose_next_time_is_beyond_the_store_s_range_ends_and_no_poller_stops(overrides, processes):
+    """Every 100 years: the first time (2070, moved to now here) fits the store, the next (2170) does not.
+    Its successor's write raised ValueError out of the claim's advance, which stopped the poller (exit
+    1), and each next leader too (it takes the copy back with its first claim): the chain ends there now."""
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    held = schedules.upsert("century", app.signature("tasks.demo.add", args=(1, 2)), 100 * 365 * 86400)
+    store.reschedule(held.pending_id, store.now_ms())
+    poller = processes.poller()
+    wait_for(lambda: schedules.get("century").pending_ms is None, 30,
+             lambda: f"the chain to end; poller log:\n{processes.log(poller)[-3000:]}")
+    assert "recurring schedule century ends: its next time" in processes.log(poller)
+    processes.check_alive()

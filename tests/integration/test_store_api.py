@@ -54,6 +54,20 @@ def test_an_item_with_its_queue_is_stored_in_that_queue_lane_as_one_without(stor
         store.schedule_many([items[0], (*items[1], 7)])
 
 
+def test_items_whose_queue_given_is_not_their_message_s_are_refused_not_stored_in_another_lane(store):
+    """A fourth item that is not the message's queue put the task in that queue's lane, while it is
+    dispatched to its message's: pausing its own queue did not hold it (nor a rate limit slow it, nor
+    the counts show it there).  The first item of each batch giving a queue is checked: a caller
+    giving a wrong one gives it to all."""
+    due = now_ms() - 1000
+    items = [(*item, "other") for item in envelopes(3, "q", due)]
+    with pytest.raises(ValueError, match=r"item 0 \(task-0\): queue 'other' given, its message's is 'q'"):
+        store.schedule_many(items)
+    assert store.get("task-0") is None
+    store.pause("q")
+    assert store.claim(store.partition("task-0"), token=1, limit=10).items == []
+
+
 def test_a_bad_item_stops_its_batch_before_anything_of_it_is_written(store):
     items = list(envelopes(4005, "q", now_ms() + 60_000))
     items[4003] = ("task-4003", "later", items[4003][2])

@@ -3,8 +3,8 @@
 -- A poller advancing the chain (ARGV[4] = '1') writes only a later pending occurrence, or none (the
 -- chain ended) over one, so a late poller never moves it back.  A put whose pending occurrence is
 -- still to be written (ARGV[5] = '1') marks the schedule in the same step, version and all: a put
--- interrupted before that write is found and completed by the next poller's start
--- (lua/recurring_put_done.lua clears the mark once the occurrence is written).
+-- interrupted before that write is found and completed by a poller, at its start or once the mark is
+-- old (lua/recurring_put_done.lua clears the mark once the occurrence is written).
 --
 -- KEYS[1] definitions HASH (schedule id -> definition: its version and pending_ms, null once ended, in its
 --         first line, lua/_definition.lua)

@@ -257,7 +257,8 @@ class Poller:
         for what a key holds (WRONGTYPE: a definitions key written over), not for its own state, is one
         schedule's fault: the candidates are then advanced one by one, and only those it concerns stay in
         flight.  Advanced together, the others stayed with them and were claimed again with them, each
-        visibility timeout, never to run."""
+        visibility timeout, never to run.  An error of any other kind is dead-lettered with the one copy
+        it concerns (found the same way)."""
         try:
             advances = self.recurring.advance_many([data for _, data in candidates], claim.now_ms)
         except STORE_ERRORS as exc:
@@ -266,6 +267,14 @@ class Poller:
             logger.warning("cannot write the next occurrences of %d recurring schedule(s) (%s): due again after "
                            "the visibility timeout", len(candidates), exc)
             return {task_id for task_id, _ in candidates}
+        except Exception as exc:  # a fault of no known kind: only the copy that meets it is parked, never the
+            # poller stopped (a new leader takes the copy back at once: it would stop each next one too)
+            if len(candidates) > 1:
+                return set().union(*(self._advance(partition, claim, [candidate]) for candidate in candidates))
+            (task_id, data), = candidates
+            self.delivery.dead_letter(partition, task_id, claim.stamp, data,
+                                      f"its recurring schedule cannot advance: {type(exc).__name__}: {exc}")
+            return {task_id}
         held_back = set()
         for (task_id, data), advance in zip(candidates, advances):
             self.stats.add("occurrences_fired", advance.fired)

@@ -216,3 +216,29 @@ def test_a_chain_whose_next_time_is_beyond_the_store_s_range_ends_and_no_poller_
              lambda: f"the chain to end; poller log:\n{processes.log(poller)[-3000:]}")
     assert "recurring schedule century ends: its next time" in processes.log(poller)
     processes.check_alive()
+
+
+def test_an_advance_failing_by_a_fault_of_no_known_kind_parks_its_copy_and_no_poller_stops(overrides, processes):
+    """An unexpected error while advancing one occurrence (here injected: ``faulty_poller``) went out of
+    the poller's round and stopped it; every next leader takes the copy back with its first claim, and
+    stopped in turn.  Now only that copy is dead-lettered, naming the error, and the other schedules
+    claimed with it go on."""
+    overrides.update(delayed_partitions=1)
+    run = overrides["delayed_key_prefix"]
+    app = create_app(**runtime(overrides))
+    schedules, store = Schedules(app), store_of(app)
+    for name in ("poison", "fine"):
+        schedules.upsert(name, app.signature("tasks.demo.tick", args=(f"{run}-{name}",)), PERIOD_MS / 1000)
+    processes.worker()
+    log = processes.logdir / "faulty-poller.log"
+    poller = subprocess.Popen([sys.executable, "-m", "tests.integration.faulty_poller", "poison"], cwd=ROOT,
+                              env=environment(overrides), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    processes.procs.append((poller, log))
+    fine = Ticks(store.settings, f"{run}-fine")
+    wait_for(lambda: len(fine.counts()) >= 4 or poller.poll() is not None, 40, "four runs of the fine schedule")
+    assert poller.poll() is None, f"the poller stopped:\n{log.read_text()[-3000:]}"
+    parked = DeadLetters(store).list()
+    assert [(d.reason, Envelope.decode(d.message).headers["delayed_schedule"]) for d in parked][:1] == [
+        ("its recurring schedule cannot advance: RuntimeError: a fault in the advance of poison", "poison")]
+    assert Ticks(store.settings, f"{run}-poison").counts() == {}

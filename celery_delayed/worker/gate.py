@@ -37,12 +37,15 @@ class PoolGate:
             self._admit()
 
     def _admit(self) -> None:
-        self._looking = False
         while self._open and self._waiting and free_slots(self.pool) > 0:
             self._start(self._waiting.popleft())
         if self._open and self._waiting and not self._looking:
             self._looking = True
-            self.timer.call_after(POLL_GAP, self._admit)
+            self.timer.call_after(POLL_GAP, self._look)
+
+    def _look(self) -> None:
+        self._looking = False
+        self._admit()
 
     def close(self) -> None:
         """A stop began: what waits never starts here (:meth:`.Intake.let_go` gives its claim up)."""

@@ -83,8 +83,8 @@ from tasks.processes import Processes, wait_for
 console = Console(width=None if Console().is_terminal else 160)
 PHASES = ("steady", "rolling", "kill9", "scale-out", "scale-in")
 #: The worker command of each ``--pool``.
-POOLS = {"prefork": ("-c", "1"), "gevent": ("--pool", "gevent", "-c", "50"),
-         "eventlet": ("--pool", "eventlet", "-c", "50")}
+POOLS = {"prefork": ("-c", "1"), "threads": ("--pool", "threads", "-c", "1"), "solo": ("--pool", "solo"),
+         "gevent": ("--pool", "gevent", "-c", "50"), "eventlet": ("--pool", "eventlet", "-c", "50")}
 ON_TIME_MS = 1000
 LATE_MS = 5000
 #: The kill -9 goal: every task outstanding then started within this long of its due time.

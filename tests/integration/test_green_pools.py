@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -81,6 +82,37 @@ def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_tw
     assert {app.backend.get_task_meta(x.id)["worker"].split("@")[0] for x in killed} == {"w3"}
 
 
+@pytest.mark.timeout(240)
+def test_a_solo_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twice(overrides, processes):
+    """The solo pool runs one task at a time, in the worker's own process.  A warm stop while one runs:
+    it finishes there, once, and the two the worker held, never started, run on the next worker at once,
+    not a run lease (60 s here) later; then a kill -9 while one runs: the next worker runs it again once
+    its run claim lapses."""
+    overrides.update(delayed_topic_partitions=1, delayed_run_lease=60)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first = processes.worker("w1", "--pool", "solo")
+    warm = [due_in(app, "tasks.demo.work", (run, 2.0)) for _ in range(3)]
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
+    stopped = time.monotonic()
+    assert processes.warm_stop(first) == 0
+    second = processes.worker("w2", "--pool", "solo")
+    assert {x.get(timeout=50) for x in warm} == {x.id for x in warm}
+    print(f"\nsolo: the held tasks ran {time.monotonic() - stopped:.1f} s after the warm stop began")
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert [runs[x.id] for x in warm] == [1] * 3, "a task ran twice"
+
+    killed = due_in(app, "tasks.demo.work", (run, 5.0))
+    wait_for(lambda: r.hget(f"demo:{run}:runs", killed.id), 60, "the next task to start on the second worker")
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    processes.worker("w3", "--pool", "solo")
+    assert killed.get(timeout=120) == killed.id
+    assert int(r.hget(f"demo:{run}:runs", killed.id)) == 2, "a killed worker's task did not run again, once"
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processes, pool):
     """A worker started before any poller creates its queue's topic itself, waiting on the Kafka admin
@@ -96,10 +128,10 @@ def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processe
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_reads_every_task_sent_ahead_while_it_holds_them(overrides, processes, pool):
-    """A green worker holds a task sent ahead of its due time (``delayed_dispatch_lead``) in its feed,
-    not in Celery's timer; like Celery's timer, it raises the prefetch limit for each task it holds,
-    or holding four (``-c 1`` x Celery's prefetch multiplier) would stop it reading the rest until
-    they were due: 20 tasks due at once are all read well ahead."""
+    """A green worker holds a task sent ahead of its due time (``delayed_dispatch_lead``), whoever holds
+    it (Celery's ETA timer; the feed itself in stop 49), with the prefetch limit raised for each, or holding
+    four (``-c 1`` x Celery's prefetch multiplier) would stop it reading the rest until they were due:
+    20 tasks due at once are all read well ahead."""
     overrides.update(delayed_dispatch_lead=3.0)
     app = create_app(**overrides)
     run = uuid.uuid4().hex

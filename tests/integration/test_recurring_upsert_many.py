@@ -169,3 +169,30 @@ def test_a_client_killed_halfway_leaves_each_schedule_absent_whole_or_completed_
     wait_for(lambda: not held(store, schedules)[2], 60, "the poller's start to complete the marked puts")
     definitions, tasks, _ = held(store, schedules)
     assert set(tasks) == {d.pending_id for d in definitions.values()} and len(tasks) == len(definitions)
+
+
+def test_a_generator_is_read_as_it_goes_and_memory_stays_flat(overrides, monkeypatch):
+    """A generator of 12 batches: read a batch ahead of what is put at most, and what the client holds
+    (traced Python allocations) after the 12th batch is what it held after the 3rd: no list of results."""
+    import tracemalloc
+
+    monkeypatch.setattr(schedules_module, "BATCH", 500)
+    app = create_app(**overrides)
+    schedules, read, held_at = Schedules(app), [0], {}
+
+    def items():
+        for i in range(12 * 500):
+            read[0] += 1
+            yield f"m:{i}", app.signature("tasks.demo.add", args=(i, i)), 3600
+
+    def progress(count: int) -> None:
+        assert read[0] <= count + 500
+        held_at[count] = tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        assert schedules.upsert_many(items(), progress=progress) == 6000
+    finally:
+        tracemalloc.stop()
+    grown = held_at[6000] - held_at[1500]
+    assert grown < 200_000, f"{grown} bytes more held after 12 batches than after 3: {held_at}"

@@ -283,11 +283,13 @@ def _upsert_range(overrides: dict[str, Any], spread: int, start: int, stop: int,
 
     from celery.schedules import crontab
 
+    from bench.recurring_app import noop
     from celery_delayed import Schedules
     from tasks import create_app
 
     logging.getLogger("celery_delayed").setLevel(logging.WARNING)  # one INFO line per upsert otherwise
     app = create_app(**overrides)
+    app.task(name="recurring.noop")(noop)  # a task of the app, as a user's is (its signatures' shape is known)
     schedules = Schedules(app)
     if bulk:
         items = ((f"bench:{i}", app.signature("recurring.noop", args=(i,)), crontab(minute=minutes_of(i, spread)))

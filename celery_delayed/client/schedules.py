@@ -22,6 +22,7 @@ from celery_delayed import inert
 from celery_delayed.client.batch import Batch, batching
 from celery_delayed.client.bulk import read_chunk, results_subscribed_on_get
 from celery_delayed.client.intercept import DelayedAMQP
+from celery_delayed.client.template import Shapes
 from celery_delayed.envelope import KEY_HEADER, Envelope
 from celery_delayed.recurring.definitions import Definition, Definitions, Put
 from celery_delayed.recurring.occurrences import TEMPLATE_ID
@@ -32,6 +33,7 @@ logger = inert.logger(__name__)
 
 #: The ETA a template is built with: far enough to go to the store whatever ``delayed_min_delay`` is.
 TEMPLATE_ETA = datetime(2100, 1, 1, tzinfo=timezone.utc)
+TEMPLATE_DUE_MS = int(TEMPLATE_ETA.timestamp() * 1000)
 #: The schedule id of ``beat_schedule`` entry ``<name>``.
 BEAT_PREFIX = "beat:"
 #: A schedule's options (:meth:`Schedules.upsert`'s keyword arguments), also read from a ``beat_schedule``
@@ -93,8 +95,8 @@ class Schedules:
         the next poller start or put), ``items`` raising as it is read (what it gave before upserted),
         or ``progress`` raising."""
         rest, count, done = iter(items), 0, []
-        batch = Batch(self.app, [])
         with self.app.producer_or_acquire() as producer:
+            templates = Templates(self.app, producer)
             while True:
                 chunk, broken = read_chunk(rest, BATCH)
                 if not chunk:
@@ -103,7 +105,7 @@ class Schedules:
                 bad: Exception | None = None
                 try:
                     for item in chunk:
-                        puts.append(self._item(item, batch, producer))
+                        puts.append(self._item(item, templates))
                 except Exception as exc:  # whatever one item holds: those before it are upserted
                     bad = exc
                 try:
@@ -137,20 +139,20 @@ class Schedules:
                                               f"{type(exc).__name__}: {exc}", count, rest) from exc
         return done if results else count
 
-    def _item(self, item: Any, batch: Batch, producer: Any) -> Put:
+    def _item(self, item: Any, templates: Templates) -> Put:
         """The put of an :meth:`upsert_many` item."""
         if not isinstance(item, (tuple, builtins.list)) or len(item) not in (3, 4) or \
                 (len(item) == 4 and not isinstance(item[3], dict)):
             raise ValueError("an item is (schedule_id, signature, schedule) or (schedule_id, signature, schedule, "
                              f"{{options}}), got {item!r:.200}")
         options = dict(item[3]) if len(item) == 4 else {}
-        return self._put_of(item[0], item[1], item[2], options.pop("tz", None), options, batch, producer)
+        return self._put_of(item[0], item[1], item[2], options.pop("tz", None), options, templates)
 
     def _put_of(self, schedule_id: str, signature: Signature, schedule: Any, tz: str | None, options: dict[str, Any],
-                batch: Batch | None = None, producer: Any = None) -> Put:
+                templates: Templates | None = None) -> Put:
         """What :meth:`upsert`'s arguments put; ``ValueError`` if one is bad."""
         zone = tz or zone_of(self.app)
-        return (schedule_id, template_of(self.app, signature, batch, producer), rule_of(schedule, zone),
+        return (schedule_id, template_of(self.app, signature, templates), rule_of(schedule, zone),
                 options_of(options, zone))
 
     def remove(self, schedule_id: str) -> bool:
@@ -224,11 +226,11 @@ def zone_of(app: Celery) -> str:
     return str(app.conf.timezone or "UTC")
 
 
-def template_of(app: Celery, signature: Signature, batch: Batch | None = None, producer: Any = None) -> bytes:
+def template_of(app: Celery, signature: Signature, templates: Templates | None = None) -> bytes:
     """The stored message ``signature.apply_async`` builds (task id :data:`TEMPLATE_ID`), written nowhere,
     without what differs from one process to another (``origin``, ``reply_to``) or belongs to the caller
-    (``parent_id``), so every process builds the same template for one signature.  ``batch`` and
-    ``producer``: kept for many signatures (making them was half a template's time).
+    (``parent_id``), so every process builds the same template for one signature.  ``templates``: those
+    of many signatures (:class:`Templates`).
 
     Refused (``ValueError``): a canvas (its members' ids would be the same in every occurrence), a
     replace-by-key header, and ``expires`` (it would be fixed at the template's time, not each run's).
@@ -237,21 +239,46 @@ def template_of(app: Celery, signature: Signature, batch: Batch | None = None, p
         raise ValueError(f"a recurring schedule runs one task's signature, not a {type(signature).__name__}")
     if KEY_HEADER in (signature.options.get("headers") or {}) or signature.options.get("expires") is not None:
         raise ValueError(f"recurring schedules do not support {KEY_HEADER} nor expires (yet): {signature!r}")
-    batch = batch or Batch(app, [])
-    token = batching.set(batch)
-    try:
-        with results_subscribed_on_get(app):
-            signature.apply_async(eta=TEMPLATE_ETA, countdown=None, task_id=TEMPLATE_ID, producer=producer)
-    finally:
-        batching.reset(token)
-    items, batch.items, batch.events = batch.items, [], []
-    if len(items) != 1:
-        raise ValueError(f"{signature!r} did not build one delayed message (is celery_delayed installed?)")
-    template = Envelope.decode(items[0][2])
+    template = (templates or Templates(app)).envelope(signature)
     template.headers.pop("origin", None)
     template.headers.update(root_id=TEMPLATE_ID, parent_id=None)
     template.properties.pop("reply_to", None)
     return template.encode()
+
+
+class Templates:
+    """The messages ``apply_async`` builds for signatures (:func:`template_of`), into one batch, with
+    ``producer``; a signature of a shape already built (its task and options, :mod:`.template`) is made
+    from that shape's message, as :func:`.apply_many` makes tasks.  A batch (its event dispatcher), a
+    producer and ``apply_async`` per signature were most of :meth:`Schedules.upsert_many`'s time."""
+
+    def __init__(self, app: Celery, producer: Any = None) -> None:
+        self.app, self.producer = app, producer
+        self.batch = Batch(app, [])
+        self.shapes = Shapes(app, {})
+
+    def envelope(self, signature: Signature) -> Envelope:
+        shape = self.shapes.shape(signature)
+        template = self.shapes.templates.get(shape) if shape is not None else None
+        made = template and template.make(TEMPLATE_ID, signature.get("args"), signature.get("kwargs"),
+                                          TEMPLATE_DUE_MS, TEMPLATE_ETA.isoformat(), None)
+        if made:
+            return Envelope.decode(made.stored)
+        batch = self.batch
+        batch.published = None
+        token = batching.set(batch)
+        try:
+            with results_subscribed_on_get(self.app):
+                result = signature.apply_async(eta=TEMPLATE_ETA, countdown=None, task_id=TEMPLATE_ID,
+                                               producer=self.producer)
+        finally:
+            batching.reset(token)
+        items, batch.items, batch.events = batch.items, [], []
+        if len(items) != 1:
+            raise ValueError(f"{signature!r} did not build one delayed message (is celery_delayed installed?)")
+        if shape is not None:
+            self.shapes.learn(shape, signature, batch.published, result)
+        return Envelope.decode(items[0][2])
 
 
 def beat_entries(app: Celery) -> dict[str, tuple[bytes, Rule, Options]]:

@@ -16,6 +16,7 @@ from celery.schedules import crontab
 from celery_delayed import Schedules, store_of
 from celery_delayed.client import schedules as schedules_module
 from celery_delayed.client.schedules import UpsertManyError
+from celery_delayed.client.template import Template
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.layout import member_of, task_id_of
 from tasks import create_app
@@ -66,7 +67,8 @@ def test_upsert_many_stores_what_upsert_of_each_stores(overrides, monkeypatch):
     policies, overlap=False, other tasks and options), some there already at another version, one paused,
     ids given twice in one batch (changed, and the same again), batches of 64: the definitions, the
     pending occurrences (message, due time, attempt number) and the marks are those of ``upsert`` of
-    each item, on a store of its own.  The store's clock is held at one instant for both."""
+    each item, on a store of its own, most templates made from their shape's.  The store's clock is
+    held at one instant for both."""
     monkeypatch.setattr(schedules_module, "BATCH", 64)
     paths = []
     for _ in ("upsert", "upsert_many"):
@@ -85,6 +87,8 @@ def test_upsert_many_stores_what_upsert_of_each_stores(overrides, monkeypatch):
         one.upsert(schedule_id, signature, rule, **options)
     bulk_items = varied(bulk_app, 300, 0)
     bulk_items[10:10] = [bulk_items[50], (bulk_items[50][0], *varied(bulk_app, 51, 1)[50][1:]), bulk_items[60]]
+    made, make = [], Template.make
+    monkeypatch.setattr(Template, "make", lambda self, *args: made.append(make(self, *args)) or made[-1])
     upserted = many.upsert_many(bulk_items, results=True)
 
     definitions, tasks, marks = held(one_store, one)
@@ -93,6 +97,7 @@ def test_upsert_many_stores_what_upsert_of_each_stores(overrides, monkeypatch):
     assert held(many_store, many) == (definitions, tasks, marks)
     assert [d.schedule_id for d in upserted] == [schedule_id for schedule_id, *_ in items]
     assert upserted[-1] == definitions[items[-1][0]]
+    assert sum(bool(m) for m in made) > 250  # most templates made from their shape's, not by apply_async
 
 
 def test_a_bad_item_is_named_in_one_line_and_those_before_it_are_upserted_whole(overrides):

@@ -5,7 +5,8 @@ For each size N (default 10k and 100k each due every minute; 1M spread over 10 m
 minute, each schedule every 10 minutes) and system, one after the other:
 
 - **celery-delayed**: N schedules ``bench:<i>`` running ``recurring.noop(i)`` by ``crontab(minute=...)``,
-  created with ``celery_delayed.Schedules(app).upsert`` (``--upserters`` processes at once) while two
+  created with ``celery_delayed.Schedules(app).upsert_many`` (``--upserters`` processes at once; ``--per-item``:
+  by ``upsert``, one at a time) while two
   pollers (``celery -A tasks delayed poller``) run.  Each occurrence is read back from Kafka: lateness
   = its record's CreateTime - its nominal time (the poller sends up to ``delayed_dispatch_lead``, 0.5 s,
   early: the worker holds it until due, so a negative lateness is on time).  At the middle measured
@@ -25,7 +26,7 @@ of the benchmark's own (AOF every second, as scripts/services runs it), so no ot
 beat, its shelve file's size / N.  Etcd and Kafka are the shared servers, under prefixes of the run.
 
     python -m bench.recurring [--quick] [--sizes 10000 100000 1000000] [--systems celery-delayed beat redbeat]
-                              [--cycles K] [--grace S] [--upserters P]
+                              [--cycles K] [--grace S] [--upserters P] [--per-item]
 
 ``--quick``: 10k only, 2 minutes per system.  Writes bench/results/recurring-<time>.md, .json, .png
 (lateness over time, a panel per size) and keeps the processes' logs and beat's sends in
@@ -35,6 +36,7 @@ celery-delayed missed an occurrence.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing
@@ -274,19 +276,25 @@ def measure(published: Published, indices: list[range], spread: int, nominals: l
             "points": points}
 
 
-def _upsert_range(overrides: dict[str, Any], spread: int, start: int, stop: int, until: float) -> range:
+def _upsert_range(overrides: dict[str, Any], spread: int, start: int, stop: int, until: float, bulk: bool) -> range:
     """``Schedules.upsert`` schedules ``bench:<start..stop>`` (a process of the pool: its own app), none
-    from ``until`` (epoch s) on; returns the indices upserted."""
+    from ``until`` (epoch s) on; returns the indices upserted.  ``bulk``: by ``Schedules.upsert_many``."""
     import logging
 
     from celery.schedules import crontab
 
+    from bench.recurring_app import noop
     from celery_delayed import Schedules
     from tasks import create_app
 
     logging.getLogger("celery_delayed").setLevel(logging.WARNING)  # one INFO line per upsert otherwise
     app = create_app(**overrides)
+    app.task(name="recurring.noop")(noop)  # a task of the app, as a user's is (its signatures' shape is known)
     schedules = Schedules(app)
+    if bulk:
+        items = ((f"bench:{i}", app.signature("recurring.noop", args=(i,)), crontab(minute=minutes_of(i, spread)))
+                 for i in itertools.takewhile(lambda _: time.time() < until, range(start, stop)))
+        return range(start, start + schedules.upsert_many(items))
     for i in range(start, stop):
         if time.time() >= until:
             return range(start, i)
@@ -321,12 +329,14 @@ def run_delayed(n: int, spread: int, opts: argparse.Namespace, own: OwnRedis, pr
 
         wait_for(lambda: len(set(leaders(settings).values())) == 2, 60, "both pollers to lead partitions")
         before = own.used()
-        job = progress.add_task(f"celery-delayed {n:,}: Schedules.upsert", total=n)
+        job = progress.add_task(f"celery-delayed {n:,}: Schedules.{'upsert' if opts.per_item else 'upsert_many'}",
+                                total=n)
         began = time.perf_counter()
         step = math.ceil(n / opts.upserters)
         with ProcessPoolExecutor(opts.upserters, mp_context=multiprocessing.get_context("spawn")) as pool:
             until = time.time() + opts.create_cap
-            futures = [pool.submit(_upsert_range, overrides, spread, k, min(n, k + step), until)
+            futures = [pool.submit(_upsert_range, overrides, spread, k, min(n, k + step), until,
+                                   not opts.per_item)
                        for k in range(0, n, step)]
             while not all(f.done() for f in futures):
                 progress.update(job, completed=definitions(own.client, settings))
@@ -335,7 +345,8 @@ def run_delayed(n: int, spread: int, opts: argparse.Namespace, own: OwnRedis, pr
             indices = [future.result() for future in futures]
         created_s, created = time.perf_counter() - began, sum(map(len, indices))
         progress.update(job, visible=False)
-        result.update(create_s=round(created_s, 1), create_per_s=round(created / created_s), created=created,
+        result.update(create_path="upsert" if opts.per_item else "upsert_many", create_s=round(created_s, 1),
+                      create_per_s=round(created / created_s), created=created,
                       bytes_per_schedule=round((own.used() - before) / created))
         nominals = boundaries_after(time.time() * 1000, opts.cycles)
         kill_ms: int | None = None
@@ -514,7 +525,7 @@ def report(results: list[dict[str, Any]], opts: argparse.Namespace, found: dict[
              "run.  Missed: due in a measured minute and not published within the grace.  Published twice: the "
              "same occurrence twice (celery-delayed: one task id, which a worker runs once).  Bytes per schedule: "
              "INFO used_memory delta / N on the benchmark's own Redis (beat: its shelve file / N).  Set up: "
-             "celery-delayed, Schedules.upsert of the N schedules (with "
+             f"celery-delayed, Schedules.{'upsert' if opts.per_item else 'upsert_many'} of the N schedules (with "
              f"{opts.upserters} processes); beat and RedBeat, from start until the scheduler has set its schedule "
              "up.", "",
              *(f"- {r['system']} {r['n']:,}: a poller exited by itself (started again): {crash}"
@@ -556,7 +567,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=50.0, help="s after the last measured minute (the cap)")
     parser.add_argument("--kill-after", type=float, default=0.3,
                         help="s after the middle minute to kill -9 the leading poller (negative: no kill)")
-    parser.add_argument("--upserters", type=int, default=2, help="processes calling Schedules.upsert")
+    parser.add_argument("--upserters", type=int, default=2, help="processes calling Schedules.upsert_many")
+    parser.add_argument("--per-item", action="store_true",
+                        help="create the schedules by Schedules.upsert, one at a time (default: upsert_many)")
     parser.add_argument("--create-cap", type=float, default=600.0,
                         help="most s of Schedules.upsert calls (celery-delayed: the schedules made by then are run)")
     parser.add_argument("--setup-cap", type=float, default=600.0, help="most s for beat or RedBeat to set up")

@@ -15,7 +15,7 @@ from celery.utils.imports import symbol_by_name
 from celery_delayed import inert, metrics
 from celery_delayed.client.bulk import ApplyManyError, apply_many
 from celery_delayed.client.intercept import DelayedAMQP, DelayedPublishError
-from celery_delayed.client.schedules import Schedules
+from celery_delayed.client.schedules import Schedules, UpsertManyError
 from celery_delayed.envelope import Envelope, EnvelopeError
 from celery_delayed.settings import ConfigurationError, Settings
 from celery_delayed.store.delayed import DelayedStore
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = ["install", "store_of", "apply_many", "ApplyManyError", "Settings", "ConfigurationError", "DelayedStore",
            "StoreUnavailable", "StoreRefused", "StoreNotDurable", "LayoutMismatch", "TaskNotScheduled", "TaskInFlight",
            "DelayedControl", "DelayedPublishError", "DeadLetters", "DeadLetter", "Envelope", "EnvelopeError",
-           "Schedules", "__version__"]
+           "Schedules", "UpsertManyError", "__version__"]
 
 
 def install(app: Celery) -> Celery:

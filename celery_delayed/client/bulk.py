@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 from celery import Celery, current_app
 from celery.canvas import Signature
@@ -28,6 +28,7 @@ from celery_delayed.client.template import Shapes, Template
 
 #: Signatures sent per chunk: their tasks are stored in one pipelined write.
 CHUNK = 1000
+T = TypeVar("T")
 #: The options that set a signature's due time.
 _TIMES = frozenset(("eta", "countdown"))
 
@@ -135,7 +136,7 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     broken: Exception | None = None  # what reading ``signatures`` raised
     with ThreadPoolExecutor(1, thread_name_prefix="delayed-apply-many") as writer:  # waits for a write in flight
         while not broken:
-            chunk, broken = _read(rest, CHUNK)
+            chunk, broken = read_chunk(rest, CHUNK)
             if not chunk:
                 break
             built = _Chunk(app, shapes, chunk, when, writing and writing[1])
@@ -153,12 +154,12 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     return done if results else count
 
 
-def _read(signatures: Iterator[Signature], size: int) -> tuple[list[Signature], Exception | None]:
-    """Up to ``size`` of ``signatures``, and what reading them raised (None): those read before it are
+def read_chunk(items: Iterator[T], size: int) -> tuple[list[T], Exception | None]:
+    """Up to ``size`` of ``items``, and what reading them raised (None): those read before it are
     sent, not lost with the error."""
-    chunk: list[Signature] = []
+    chunk: list[T] = []
     try:
-        chunk.extend(itertools.islice(signatures, size))
+        chunk.extend(itertools.islice(items, size))
     except Exception as exc:
         return chunk, exc
     return chunk, None

@@ -8,7 +8,9 @@ keeps it and derives each occurrence from it.
 from __future__ import annotations
 
 import builtins
+import itertools
 import math
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -18,10 +20,11 @@ from celery.canvas import Signature
 
 from celery_delayed import inert
 from celery_delayed.client.batch import Batch, batching
-from celery_delayed.client.bulk import results_subscribed_on_get
+from celery_delayed.client.bulk import read_chunk, results_subscribed_on_get
 from celery_delayed.client.intercept import DelayedAMQP
+from celery_delayed.client.template import Shapes
 from celery_delayed.envelope import KEY_HEADER, Envelope
-from celery_delayed.recurring.definitions import Definition, Definitions
+from celery_delayed.recurring.definitions import Definition, Definitions, Put
 from celery_delayed.recurring.occurrences import TEMPLATE_ID
 from celery_delayed.recurring.policy import Options
 from celery_delayed.recurring.rules import Rule, rule_of
@@ -30,11 +33,28 @@ logger = inert.logger(__name__)
 
 #: The ETA a template is built with: far enough to go to the store whatever ``delayed_min_delay`` is.
 TEMPLATE_ETA = datetime(2100, 1, 1, tzinfo=timezone.utc)
+TEMPLATE_DUE_MS = int(TEMPLATE_ETA.timestamp() * 1000)
 #: The schedule id of ``beat_schedule`` entry ``<name>``.
 BEAT_PREFIX = "beat:"
 #: A schedule's options (:meth:`Schedules.upsert`'s keyword arguments), also read from a ``beat_schedule``
 #: entry's keys or its ``options`` (where they are taken out, not sent to ``apply_async``).
 OPTION_NAMES = ("start", "end", "jitter", "misfire", "catch_up", "overlap")
+#: Items :meth:`Schedules.upsert_many` puts at once.
+BATCH = 1000
+
+
+class UpsertManyError(Exception):
+    """:meth:`Schedules.upsert_many` stopped at an item it could not upsert, or at a failed store write.
+
+    ``upserted`` is how many of the items, in order, were upserted before it; ``rest`` iterates over the
+    others, from the one it stopped at.  ``upsert_many(error.rest)`` upserts them (an item already put
+    is put again as the same: nothing changes, an interrupted put is completed).
+    """
+
+    def __init__(self, message: str, upserted: int, rest: Iterator[Any]) -> None:
+        super().__init__(message)
+        self.upserted = upserted
+        self.rest = rest
 
 
 class Schedules:
@@ -57,9 +77,83 @@ class Schedules:
         up to that late, by a delay derived from its time), ``misfire`` (``"once"``, the default,
         ``"skip"``, ``"all"``), ``catch_up`` (the window ``"all"`` runs missed times within), ``overlap`` (False:
         skip an occurrence while the previous one runs).  A bad value raises ``ValueError``."""
+        _, template, rule, parsed = self._put_of(schedule_id, signature, schedule, tz, options)
+        return self.definitions.put(schedule_id, template, rule, options=parsed)
+
+    def upsert_many(self, items: Iterable[Any], *, progress: Callable[[int], None] | None = None,
+                    results: bool = False) -> builtins.list[Definition] | int:
+        """:meth:`upsert` of each item, in order: ``(schedule_id, signature, schedule)``, or with a 4th, a
+        dict of :meth:`upsert`'s keyword arguments (``tz`` and the options).  The same definitions and
+        pending occurrences as :meth:`upsert` of each, written a batch (:data:`BATCH`) at a time in a few
+        round trips, by the same crash-safe steps.  Returns how many were upserted: the client's memory
+        stays flat whatever the number of items (a generator is read as it goes); ``results=True``:
+        their definitions instead, in order.  ``progress`` gets the number upserted so far after each batch.
+
+        Raises :class:`UpsertManyError` (its ``upserted`` and ``rest``) at an item :meth:`upsert` would
+        refuse (its index and error in one line: the items before it upserted, it and the others not
+        touched), a store write that failed (its batch's schedules each absent, whole, or completed by
+        the next poller start or put), ``items`` raising as it is read (what it gave before upserted),
+        or ``progress`` raising."""
+        rest, count, done = iter(items), 0, []
+        with self.app.producer_or_acquire() as producer:
+            templates = Templates(self.app, producer)
+            while True:
+                chunk, broken = read_chunk(rest, BATCH)
+                if not chunk:
+                    break
+                puts: builtins.list[Put] = []
+                bad: Exception | None = None
+                try:
+                    for item in chunk:
+                        puts.append(self._item(item, templates))
+                except Exception as exc:  # whatever one item holds: those before it are upserted
+                    bad = exc
+                try:
+                    now_ms = self.definitions.store.now_ms()
+                    for at, (schedule_id, _, rule, options) in enumerate(puts):
+                        try:
+                            Definitions.first_time(schedule_id, rule, options, now_ms)
+                        except ValueError as exc:
+                            bad, puts = exc, puts[:at]
+                            break
+                    put = self.definitions.put_many(puts, now_ms)
+                except Exception as exc:
+                    raise UpsertManyError(f"stopped at items[{count}]: putting {len(puts)} schedules failed: "
+                                          f"{type(exc).__name__}: {exc}", count,
+                                          itertools.chain(chunk, rest)) from exc
+                count += len(put)
+                if results:
+                    done.extend(put)
+                if bad is not None:
+                    raise UpsertManyError(f"items[{count}] ({_named(chunk[len(puts)])}): {type(bad).__name__}: "
+                                          f"{bad}; the {count} before it upserted", count,
+                                          itertools.chain(chunk[len(puts):], rest)) from bad
+                if broken is not None:
+                    raise UpsertManyError(f"stopped at items[{count}]: reading the items raised "
+                                          f"{type(broken).__name__}: {broken}", count, iter(())) from broken
+                if progress:
+                    try:
+                        progress(count)
+                    except Exception as exc:  # the caller's: the count and the rest must not be lost with it
+                        raise UpsertManyError(f"stopped after {count} items: the progress callback raised "
+                                              f"{type(exc).__name__}: {exc}", count, rest) from exc
+        return done if results else count
+
+    def _item(self, item: Any, templates: Templates) -> Put:
+        """The put of an :meth:`upsert_many` item."""
+        if not isinstance(item, (tuple, builtins.list)) or len(item) not in (3, 4) or \
+                (len(item) == 4 and not isinstance(item[3], dict)):
+            raise ValueError("an item is (schedule_id, signature, schedule) or (schedule_id, signature, schedule, "
+                             f"{{options}}), got {item!r:.200}")
+        options = dict(item[3]) if len(item) == 4 else {}
+        return self._put_of(item[0], item[1], item[2], options.pop("tz", None), options, templates)
+
+    def _put_of(self, schedule_id: str, signature: Signature, schedule: Any, tz: str | None, options: dict[str, Any],
+                templates: Templates | None = None) -> Put:
+        """What :meth:`upsert`'s arguments put; ``ValueError`` if one is bad."""
         zone = tz or zone_of(self.app)
-        return self.definitions.put(schedule_id, template_of(self.app, signature), rule_of(schedule, zone),
-                                    options=options_of(options, zone))
+        return (schedule_id, template_of(self.app, signature, templates), rule_of(schedule, zone),
+                options_of(options, zone))
 
     def remove(self, schedule_id: str) -> bool:
         """Stop a schedule: its pending occurrence never runs.  False when there was none."""
@@ -89,6 +183,11 @@ class Schedules:
     def all(self) -> builtins.list[Definition]:
         """Every schedule, at once (:meth:`list` pages through millions)."""
         return self.definitions.all()
+
+
+def _named(item: Any) -> str:
+    """An :meth:`Schedules.upsert_many` item, named in its error by its schedule id."""
+    return f"schedule {item[0]!r:.100}" if isinstance(item, (tuple, builtins.list)) and item else "not an item"
 
 
 def options_of(options: dict[str, Any], tz: str) -> Options:
@@ -127,10 +226,11 @@ def zone_of(app: Celery) -> str:
     return str(app.conf.timezone or "UTC")
 
 
-def template_of(app: Celery, signature: Signature) -> bytes:
+def template_of(app: Celery, signature: Signature, templates: Templates | None = None) -> bytes:
     """The stored message ``signature.apply_async`` builds (task id :data:`TEMPLATE_ID`), written nowhere,
     without what differs from one process to another (``origin``, ``reply_to``) or belongs to the caller
-    (``parent_id``), so every process builds the same template for one signature.
+    (``parent_id``), so every process builds the same template for one signature.  ``templates``: those
+    of many signatures (:class:`Templates`).
 
     Refused (``ValueError``): a canvas (its members' ids would be the same in every occurrence), a
     replace-by-key header, and ``expires`` (it would be fixed at the template's time, not each run's).
@@ -139,20 +239,46 @@ def template_of(app: Celery, signature: Signature) -> bytes:
         raise ValueError(f"a recurring schedule runs one task's signature, not a {type(signature).__name__}")
     if KEY_HEADER in (signature.options.get("headers") or {}) or signature.options.get("expires") is not None:
         raise ValueError(f"recurring schedules do not support {KEY_HEADER} nor expires (yet): {signature!r}")
-    batch = Batch(app, [])
-    token = batching.set(batch)
-    try:
-        with results_subscribed_on_get(app):
-            signature.apply_async(eta=TEMPLATE_ETA, countdown=None, task_id=TEMPLATE_ID)
-    finally:
-        batching.reset(token)
-    if len(batch.items) != 1:
-        raise ValueError(f"{signature!r} did not build one delayed message (is celery_delayed installed?)")
-    template = Envelope.decode(batch.items[0][2])
+    template = (templates or Templates(app)).envelope(signature)
     template.headers.pop("origin", None)
     template.headers.update(root_id=TEMPLATE_ID, parent_id=None)
     template.properties.pop("reply_to", None)
     return template.encode()
+
+
+class Templates:
+    """The messages ``apply_async`` builds for signatures (:func:`template_of`), into one batch, with
+    ``producer``; a signature of a shape already built (its task and options, :mod:`.template`) is made
+    from that shape's message, as :func:`.apply_many` makes tasks.  A batch (its event dispatcher), a
+    producer and ``apply_async`` per signature were most of :meth:`Schedules.upsert_many`'s time."""
+
+    def __init__(self, app: Celery, producer: Any = None) -> None:
+        self.app, self.producer = app, producer
+        self.batch = Batch(app, [])
+        self.shapes = Shapes(app, {})
+
+    def envelope(self, signature: Signature) -> Envelope:
+        shape = self.shapes.shape(signature)
+        template = self.shapes.templates.get(shape) if shape is not None else None
+        made = template and template.make(TEMPLATE_ID, signature.get("args"), signature.get("kwargs"),
+                                          TEMPLATE_DUE_MS, TEMPLATE_ETA.isoformat(), None)
+        if made:
+            return Envelope.decode(made.stored)
+        batch = self.batch
+        batch.published = None
+        token = batching.set(batch)
+        try:
+            with results_subscribed_on_get(self.app):
+                result = signature.apply_async(eta=TEMPLATE_ETA, countdown=None, task_id=TEMPLATE_ID,
+                                               producer=self.producer)
+        finally:
+            batching.reset(token)
+        items, batch.items, batch.events = batch.items, [], []
+        if len(items) != 1:
+            raise ValueError(f"{signature!r} did not build one delayed message (is celery_delayed installed?)")
+        if shape is not None:
+            self.shapes.learn(shape, signature, batch.published, result)
+        return Envelope.decode(items[0][2])
 
 
 def beat_entries(app: Celery) -> dict[str, tuple[bytes, Rule, Options]]:

@@ -34,8 +34,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from celery_delayed import inert
 from celery_delayed.envelope import Envelope, EnvelopeError, deflate, inflate
@@ -57,6 +57,9 @@ PAGE = 100
 DEFAULTS = Options()
 #: An occurrence :meth:`Definitions.advance_many` read: (index of its message, schedule id, version, nominal ms).
 Due = tuple[int, str, Any, Any]
+T = TypeVar("T")
+#: A put of :meth:`Definitions.put_many`: (schedule id, template, rule, options).
+Put = tuple[str, bytes, Rule, Options]
 
 
 @dataclass(frozen=True)
@@ -232,29 +235,82 @@ class Definitions:
         now (or from the schedule's start); putting what is stored changes nothing (pollers starting at
         once all put ``beat_schedule``).  A paused schedule stays paused.  ``ValueError`` when the
         schedule would end before its first time."""
-        data, wanted = rule_data(rule), options.data()
         while True:
-            held, putting = self._read(schedule_id)
-            if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template,
-                                                                                             origin, wanted):
+            (held, putting), = self._read_many([schedule_id])
+            new = self._wanted(held, (schedule_id, template, rule, options), origin, self.store.now_ms)
+            if new is held:
                 if putting is not None:  # a put that stopped after its compare-and-set (or one since superseded)
-                    self._write_pending([held] if putting == held.version else [])
+                    self._write_pending([new] if putting == new.version else [])
                     self._clear_marks([(schedule_id, putting)])
-                return held
-            first = options.first(rule, self.store.now_ms())
-            if first is None:
-                raise ValueError(f"recurring schedule {schedule_id} ends before its first time")
-            if options.due_ms(schedule_id, first) >= MAX_DUE_MS:
-                raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
-            new = Definition(schedule_id, data, template, origin, held.version + 1 if held else 1, first, wanted,
-                             held is not None and held.paused)
+                return new
             if self._compare_and_set(schedule_id, held.version if held else 0, new, pending=True):
                 break
         self._write_pending([new])
         self._clear_marks([(schedule_id, new.version)])
-        self._cancel_replaced(held, new)
+        self._cancel_replaced([(held, new)])
         logger.info("recurring schedule %s: version %d, next at %s ms", schedule_id, new.version, new.pending_ms)
         return new
+
+    def put_many(self, puts: Sequence[Put], now_ms: int, origin: str = "api") -> list[Definition]:
+        """:meth:`put` of each of ``puts`` in order, with the first times from ``now_ms`` (each checked by
+        :meth:`first_time` at it: none raises here), in bulk: one read of their definitions and marks,
+        one pipeline of compare-and-sets (each marking its put), one write of the pending occurrences,
+        one pipeline clearing the marks, one of cancels -- the steps of :meth:`put`, so a crash leaves
+        each schedule as a crashed put leaves it.  A schedule put twice is put again after the first
+        (a round of its own); a compare-and-set lost to another writer is done again by :meth:`put`."""
+        found: list[Any] = [None] * len(puts)
+        for round_ in _rounds(list(enumerate(puts)), lambda item: item[1][0]):
+            for (index, _), definition in zip(round_, self._put_round([put for _, put in round_], now_ms, origin)):
+                found[index] = definition
+        return found
+
+    def _put_round(self, puts: list[Put], now_ms: int, origin: str) -> list[Definition]:
+        """:meth:`put_many` of puts of distinct schedules."""
+        found: dict[str, Definition] = {}
+        interrupted, marks, changes = [], [], []
+        for put, (held, putting) in zip(puts, self._read_many([schedule_id for schedule_id, *_ in puts])):
+            new = self._wanted(held, put, origin, lambda: now_ms)
+            if new is held:
+                if putting is not None:  # as in put: a put that stopped after its compare-and-set
+                    interrupted.extend([new] if putting == new.version else [])
+                    marks.append((new.schedule_id, putting))
+                found[new.schedule_id] = new
+            else:
+                changes.append((held, new))
+        won = self._compare_and_set_many([(held.version if held else 0, new) for held, new in changes], put=True)
+        written = [(held, new) for held, new in changes if won[new.schedule_id]]
+        self._write_pending(interrupted + [new for _, new in written])
+        self._clear_marks(marks + [(new.schedule_id, new.version) for _, new in written])
+        self._cancel_replaced(written)
+        found.update((new.schedule_id, new) for _, new in written)
+        for schedule_id, template, rule, options in puts:
+            if schedule_id not in found:  # another writer changed it in between
+                found[schedule_id] = self.put(schedule_id, template, rule, origin, options)
+        logger.info("%d recurring schedule(s) put, %d changed", len(puts), len(written))
+        return [found[schedule_id] for schedule_id, *_ in puts]
+
+    def _wanted(self, held: Definition | None, put: Put, origin: str, now_ms: Callable[[], int]) -> Definition:
+        """The definition ``put`` makes of ``held``: ``held`` itself when it already is it, else the next
+        version, its first time from ``now_ms()`` (read only then)."""
+        schedule_id, template, rule, options = put
+        data, wanted = rule_data(rule), options.data()
+        if held is not None and (held.rule, held.template, held.origin, held.options) == (data, template, origin,
+                                                                                         wanted):
+            return held
+        return Definition(schedule_id, data, template, origin, held.version + 1 if held else 1,
+                          self.first_time(schedule_id, rule, options, now_ms()), wanted,
+                          held is not None and held.paused)
+
+    @staticmethod
+    def first_time(schedule_id: str, rule: Rule, options: Options, now_ms: int) -> int:
+        """The first time of a chain of ``rule`` put at ``now_ms``; ``ValueError`` when the schedule ends
+        before it, or it is beyond what the store holds."""
+        first = options.first(rule, now_ms)
+        if first is None:
+            raise ValueError(f"recurring schedule {schedule_id} ends before its first time")
+        if options.due_ms(schedule_id, first) >= MAX_DUE_MS:
+            raise ValueError(f"recurring schedule {schedule_id} starts after 2106, beyond what the store holds")
+        return first
 
     def remove(self, schedule_id: str) -> bool:
         """Delete a schedule and cancel its pending occurrence (one in flight is dropped as stale).  An
@@ -263,7 +319,7 @@ class Definitions:
         try:
             while (held := self.get(schedule_id)) is not None:
                 if self._compare_and_set(schedule_id, held.version, None):
-                    self._cancel_replaced(held, None)
+                    self._cancel_replaced([(held, None)])
                     logger.info("recurring schedule %s removed", schedule_id)
                     return True
         except UnreadableDefinition as exc:
@@ -387,16 +443,9 @@ class Definitions:
                 found[index] = Advance(True, fired=True)
             else:
                 waiting.append((index, schedule_id, headers.get(VERSION_HEADER), headers.get(NOMINAL_HEADER)))
-        while waiting:  # a schedule's second occurrence waits for the chain its first moved
-            now: list[Due] = []
-            later: list[Due] = []
-            seen = set()
-            for item in waiting:
-                (later if item[1] in seen else now).append(item)
-                seen.add(item[1])
-            for (index, *_), advance in zip(now, self._advance_round(now, now_ms)):
+        for now in _rounds(waiting, lambda item: item[1]):  # a schedule's second occurrence waits for the chain
+            for (index, *_), advance in zip(now, self._advance_round(now, now_ms)):  # its first moved
                 found[index] = advance
-            waiting = later
         return found
 
     def _advance_round(self, occurrences: list[Due], now_ms: int) -> list[Advance]:
@@ -429,7 +478,7 @@ class Definitions:
             steps[held.schedule_id] = (held, successor, runs, overlapped, misfire, moves)
         moving = [(held, successor) for held, successor, _, _, _, moves in steps.values() if moves]
         self._write_pending([successor for _, successor in moving])
-        advanced = self._compare_and_set_many([(held.version, successor) for held, successor in moving])
+        advanced = self._compare_and_set_many([(held.version, successor) for held, successor in moving], put=False)
         results = []
         for _, schedule_id, version, nominal in occurrences:
             if schedule_id in faults:
@@ -478,10 +527,13 @@ class Definitions:
             logger.error("recurring schedule %s ends: %s", held.schedule_id, exc)
             return None
 
-    def _cancel_replaced(self, held: Definition | None, new: Definition | None) -> None:
-        """Cancel ``held``'s pending occurrence unless ``new`` has it (a copy in flight is dropped as stale)."""
-        if held is not None and held.pending_id is not None and (new is None or held.pending_id != new.pending_id):
-            self.store.cancel(held.pending_id)
+    def _cancel_replaced(self, replaced: Iterable[tuple[Definition | None, Definition | None]]) -> None:
+        """For each ``(held, new)``: cancel ``held``'s pending occurrence unless ``new`` has it (a copy in
+        flight is dropped as stale), in one pipeline."""
+        stale = [held.pending_id for held, new in replaced if held is not None and held.pending_id is not None
+                 and (new is None or held.pending_id != new.pending_id)]
+        if stale:
+            self.store.cancel_many(stale)
 
     def _write_pending(self, definitions: Iterable[Definition]) -> None:
         """Store the pending occurrence of each of ``definitions`` that has one and is not paused (kept if
@@ -499,16 +551,22 @@ class Definitions:
         if items:
             self.store.schedule_attempts(items, attempts)
 
-    def _read(self, schedule_id: str) -> tuple[Definition | None, int | None]:
-        """A schedule's definition, and the version of its put still pending (:meth:`complete_puts`), if
-        any, in one round trip."""
-        partition = self.store.partition(schedule_id)
+    def _read_many(self, schedule_ids: Sequence[str]) -> list[tuple[Definition | None, int | None]]:
+        """Each schedule's definition, and the version of its put still pending (:meth:`complete_puts`),
+        if any, in one round trip."""
+        by_partition: dict[int, list[str]] = {}
+        for schedule_id in schedule_ids:
+            by_partition.setdefault(self.store.partition(schedule_id), []).append(schedule_id)
         pipe = self.store.redis.pipeline(transaction=False)
-        pipe.hget(self.store.keys.recurring(partition), schedule_id)
-        pipe.hget(self.store.keys.recurring_putting(partition), schedule_id)
-        data, putting = self.store.execute(pipe)
-        return (None if data is None else Definition.decode(schedule_id, data),
-                None if putting is None else int(putting))
+        for partition, ids in by_partition.items():
+            pipe.hmget(self.store.keys.recurring(partition), ids)
+            pipe.hmget(self.store.keys.recurring_putting(partition), ids)
+        replies = self.store.execute(pipe)
+        found = {schedule_id: (None if data is None else Definition.decode(schedule_id, data),
+                               None if putting is None else int(putting))
+                 for ids, held, marks in zip(by_partition.values(), replies[::2], replies[1::2])
+                 for schedule_id, data, putting in zip(ids, held, marks)}
+        return [found[schedule_id] for schedule_id in schedule_ids]
 
     def _clear_marks(self, marks: Iterable[tuple[str, int]]) -> None:
         """Clear the pending-put marks ``(schedule id, version)`` whose occurrence is written
@@ -530,21 +588,37 @@ class Definitions:
             keys=[self.store.keys.recurring(partition), self.store.keys.recurring_putting(partition)],
             args=[schedule_id, version, new.encode() if new else "", "", new.version if new and pending else ""]))
 
-    def _compare_and_set_many(self, changes: list[tuple[int, Definition]]) -> dict[str, bool]:
-        """Advance each chain: write each ``(version read, successor)`` if the stored definition is at that
-        version and the successor moves its pending occurrence later (or ends the chain), in one
-        pipeline; schedule id -> whether written."""
+    def _compare_and_set_many(self, changes: list[tuple[int, Definition]], put: bool) -> dict[str, bool]:
+        """Write each ``(version read, new)`` if the stored definition is at that version, in one pipeline;
+        schedule id -> whether written.  ``put``: and mark each put as pending (as :meth:`_compare_and_set`
+        with ``pending``); else each advances a chain: only if it moves its pending occurrence later (or
+        ends the chain)."""
         if not changes:
             return {}
         pipe, keys = self.store.redis.pipeline(transaction=False), self.store.keys
         for version, new in changes:
             partition = self.store.partition(new.schedule_id)
             self.store.scripts["recurring_put"](keys=[keys.recurring(partition), keys.recurring_putting(partition)],
-                                                args=[new.schedule_id, version, new.encode(), "1", ""], client=pipe)
+                                                args=[new.schedule_id, version, new.encode(), "" if put else "1",
+                                                      new.version if put else ""], client=pipe)
         return {new.schedule_id: bool(done) for (_, new), done in zip(changes, self.store.execute(pipe))}
 
     def _key(self, schedule_id: str) -> str:
         return self.store.keys.recurring(self.store.partition(schedule_id))
+
+
+def _rounds(items: list[T], schedule_of: Callable[[T], str]) -> Iterator[list[T]]:
+    """``items`` in rounds of distinct schedules (``schedule_of(item)``), in order: a schedule's second
+    item goes in the round after its first (which the caller writes before reading the next round)."""
+    while items:
+        now: list[T] = []
+        later: list[T] = []
+        seen = set()
+        for item in items:
+            (later if schedule_of(item) in seen else now).append(item)
+            seen.add(schedule_of(item))
+        yield now
+        items = later
 
 
 def _readable(held: dict[bytes, bytes]) -> Iterator[Definition]:

@@ -178,7 +178,9 @@ def test_a_client_killed_halfway_leaves_each_schedule_absent_whole_or_completed_
 
 def test_a_generator_is_read_as_it_goes_and_memory_stays_flat(overrides, monkeypatch):
     """A generator of 12 batches: read a batch ahead of what is put at most, and what the client holds
-    (traced Python allocations) after the 12th batch is what it held after the 3rd: no list of results."""
+    (traced Python allocations) after the 12th batch is what it held after the 6th: no list of results
+    (one grows ~1 MB a batch).  The first batches fill caches once (a connection, kombu's), sooner or later
+    by the machine's speed: in CI they still grew 0.2 MB between the 3rd batch and the 6th, then not at all."""
     import tracemalloc
 
     monkeypatch.setattr(schedules_module, "BATCH", 500)
@@ -199,5 +201,5 @@ def test_a_generator_is_read_as_it_goes_and_memory_stays_flat(overrides, monkeyp
         assert schedules.upsert_many(items(), progress=progress) == 6000
     finally:
         tracemalloc.stop()
-    grown = held_at[6000] - held_at[1500]
-    assert grown < 200_000, f"{grown} bytes more held after 12 batches than after 3: {held_at}"
+    grown = held_at[6000] - held_at[3000]
+    assert grown < 200_000, f"{grown} bytes more held after 12 batches than after 6: {held_at}"

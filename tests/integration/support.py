@@ -408,3 +408,11 @@ class SilentServer:
     def __exit__(self, *_: Any) -> None:
         self._done.set()
         self._thread.join(timeout=10)
+
+
+def held_by_workers(app: Any, run: str) -> list[dict]:
+    """The ETA requests Celery's workers hold in memory for one test's ``run`` (among their
+    arguments): every worker on the shared broker answers ``inspect``, other tests' too."""
+    held = app.control.inspect(timeout=2).scheduled()
+    assert held, "no worker answered inspect().scheduled()"
+    return [t for tasks in held.values() for t in tasks if run in (t["request"].get("args") or ())]

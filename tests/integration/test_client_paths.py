@@ -24,7 +24,7 @@ from celery_delayed.envelope import Envelope, decode_meta
 from celery_delayed.kafka import CLAIMED_HEADER, DUE_HEADER, ensure_topics, make_producer
 from tasks import create_app
 
-from .support import wait_for
+from .support import held_by_workers, wait_for
 
 pytestmark = pytest.mark.cluster_too
 from .test_flower_and_retries import http_json
@@ -89,9 +89,8 @@ def test_every_eta_path_lands_in_the_store_and_runs_once(overrides, processes, m
     # A worker holds a task in Celery's ETA timer only for the rest of delayed_dispatch_lead (the poller sends
     # it that much early), never for its countdown: nothing it holds is due later than the lead from now.
     asked = datetime.now(timezone.utc)
-    held = app.control.inspect(timeout=2).scheduled() or {}
     horizon = asked + timedelta(seconds=store.settings.dispatch_lead + 0.25)
-    assert held and [t for tasks in held.values() for t in tasks if datetime.fromisoformat(t["eta"]) > horizon] == []
+    assert [t for t in held_by_workers(app, run) if datetime.fromisoformat(t["eta"]) > horizon] == []
 
     for name, result in singles.items():
         assert result.get(timeout=60) == result.id, name

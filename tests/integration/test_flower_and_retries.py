@@ -9,7 +9,7 @@ import uuid
 from celery_delayed import store_of
 from tasks import create_app
 
-from .support import wait_for
+from .support import held_by_workers, wait_for
 
 
 def test_retry_with_countdown_goes_through_the_store_and_keeps_its_id(overrides, processes):
@@ -23,8 +23,7 @@ def test_retry_with_countdown_goes_through_the_store_and_keeps_its_id(overrides,
     entry = wait_for(lambda: (lambda e: e if e and e["state"] == "scheduled" else None)(store.get(result.id)),
                      60, "the retry to be scheduled in the store")
     assert entry["task"] == "tasks.demo.flaky"
-    held_by_workers = app.control.inspect(timeout=2).scheduled() or {}
-    assert all(not tasks for tasks in held_by_workers.values())
+    assert held_by_workers(app, run) == []
     assert result.get(timeout=90) == 3
 
 

@@ -1,12 +1,16 @@
 """A stored definition read and written again: its template is not deflated again (a poller writes one
-per occurrence), unless it changed."""
+per occurrence), unless it changed; an occurrence's id, computed without ``uuid``, is still its uuid5."""
 from __future__ import annotations
 
+import uuid
 from dataclasses import replace
+
+import pytest
 
 from celery_delayed.envelope import Envelope, deflate
 from celery_delayed.recurring import definitions
 from celery_delayed.recurring.definitions import Definition
+from celery_delayed.recurring.occurrences import NAMESPACE, occurrence_id
 
 TEMPLATE = Envelope(task_id="t", queue="q", headers={"task": "tasks.demo.add", "argsrepr": "(1, 2)" * 40},
                     body=b"[[1, 2], {}, {}]" * 20,
@@ -33,3 +37,12 @@ def test_a_changed_template_is_deflated_afresh():
     changed = replace(held, template=other, version=4)
     assert changed.encode().partition(b"\n")[2] == deflate(other, 0)
     assert Definition.decode("s", changed.encode()).template == other
+
+
+@pytest.mark.parametrize("schedule_id", ["s", "bench:7", "ünïcode/日本", "a\nb", "x" * 300])
+@pytest.mark.parametrize("run_now", [False, True])
+def test_an_occurrence_id_is_uuid5_of_its_schedule_and_time(schedule_id, run_now):
+    """The ids of occurrences already stored must not change: each is ``uuid.uuid5``'s."""
+    for nominal_ms in (0, 1, 1_796_659_560_000, 2**42 - 1):
+        name = f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")
+        assert occurrence_id(schedule_id, nominal_ms, run_now) == str(uuid.uuid5(NAMESPACE, name))

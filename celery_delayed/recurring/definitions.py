@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, EnvelopeError, deflate, inflate
+from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, deflate, inflate
 from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSION, SCHEDULE_HEADER, VERSION_HEADER,
     occurrence, occurrence_id)
 from celery_delayed.recurring.policy import Options, grace_ms
@@ -78,6 +78,9 @@ class Definition:
     options: dict[str, Any] = field(default_factory=dict)
     paused: bool = False
     last_ms: int | None = None
+    #: (the template, as stored: deflated) when read from the store, so that :meth:`encode` of it or of a
+    #: :func:`~dataclasses.replace` of it (the same template object) does not deflate it again
+    stored_template: tuple[bytes, bytes] | None = field(default=None, compare=False, repr=False)
 
     @property
     def pending_id(self) -> str | None:
@@ -88,7 +91,7 @@ class Definition:
     def parsed_options(self) -> Options:
         """:attr:`options` as :class:`.Options` (and :attr:`parsed_rule`, the rule): parsed once however
         often a poller's advance asks."""
-        return Options.of(self.options)
+        return Options.of(self.options) if self.options else DEFAULTS
 
     @cached_property
     def parsed_rule(self) -> Rule:
@@ -115,7 +118,9 @@ class Definition:
         extra = {name: value for name, value in (("options", self.options), ("paused", self.paused),
                                                  ("last_ms", self.last_ms)) if value}
         head = [self.version, self.pending_ms, self.rule, self.origin, *([extra] if extra else [])]
-        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + deflate(self.template, 0)
+        stored = self.stored_template
+        deflated = stored[1] if stored is not None and stored[0] is self.template else deflate(self.template, 0)
+        return json.dumps(head, separators=(",", ":")).encode() + b"\n" + deflated
 
     @classmethod
     def decode(cls, schedule_id: str, data: bytes) -> Definition:
@@ -123,18 +128,20 @@ class Definition:
         :class:`UnreadableDefinition` when any of them cannot be (corrupt, a field missing or of another
         type)."""
         try:
+            stored = None
             if data[:1] == b"{":  # the first format: one JSON object, the template in base64
                 fields = json.loads(data)
                 template = base64.b64decode(fields.pop("template"), validate=True)
             else:
-                head, _, template = data.partition(b"\n")
+                head, _, deflated = data.partition(b"\n")
                 version, pending_ms, rule, origin, *extra = json.loads(head)
                 fields = {"version": version, "pending_ms": pending_ms, "rule": rule, "origin": origin,
                           **(extra[0] if extra else {})}
-                template = inflate(template)
+                template = inflate(deflated)
+                stored = (template, deflated)
             held = cls(schedule_id, fields["rule"], template, fields["origin"], fields["version"],
                        fields["pending_ms"], fields.get("options", {}), fields.get("paused", False),
-                       fields.get("last_ms"))
+                       fields.get("last_ms"), stored)
             if not (type(held.version) is int and isinstance(held.origin, str) and isinstance(held.paused, bool)
                     and all(ms is None or (type(ms) is int and 0 <= ms < MAX_DUE_MS)
                             for ms in (held.pending_ms, held.last_ms))):
@@ -432,10 +439,12 @@ class Definitions:
         found: list[Advance] = [NOT_AN_OCCURRENCE] * len(messages)
         waiting: list[Due] = []
         for index, message in enumerate(messages):
-            try:
-                headers = Envelope.decode(message).headers
+            try:  # the meta alone (its headers as stored: the schedule's are never defaults left out)
+                headers = decode_meta(message).get("h")
             except EnvelopeError:
                 continue  # not an occurrence of ours: the poller's routing parks it
+            if not isinstance(headers, dict):
+                continue
             schedule_id = headers.get(SCHEDULE_HEADER)
             if schedule_id is None:
                 continue

@@ -7,12 +7,14 @@ once by the worker; the poller tells a possible occurrence from an ordinary task
 """
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from celery_delayed.envelope import Envelope, deflate
 
 #: The namespace of occurrence ids (a fixed, random UUID: never change it, ids would change).
 NAMESPACE = uuid.UUID("5b0c7f9e-3d1a-4c6e-9a3f-1e2d4c6b8a01")
+_NAMESPACE_BYTES = NAMESPACE.bytes
 #: The task id a template is built with; each occurrence replaces it with its own.
 TEMPLATE_ID = "00000000-0000-0000-0000-000000000000"
 #: Headers of an occurrence's message: its schedule, nominal time (ms) and definition version.
@@ -23,8 +25,14 @@ RUN_NOW_VERSION = 0
 
 def occurrence_id(schedule_id: str, nominal_ms: int, run_now: bool = False) -> str:
     """The task id of ``schedule_id``'s occurrence at ``nominal_ms``, the same wherever it is computed;
-    a run-now occurrence's is another (never one of the chain's, at the same instant)."""
-    return str(uuid.uuid5(NAMESPACE, f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")))
+    a run-now occurrence's is another (never one of the chain's, at the same instant).  ``uuid.uuid5``'s
+    string, computed without building a ``UUID`` (a poller computes one per occurrence: a quarter the time)."""
+    name = f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
+    digest[6] = digest[6] & 0x0F | 0x50  # version 5
+    digest[8] = digest[8] & 0x3F | 0x80  # RFC 4122 variant
+    hexa = digest.hex()
+    return f"{hexa[:8]}-{hexa[8:12]}-{hexa[12:16]}-{hexa[16:20]}-{hexa[20:]}"
 
 
 def maybe_occurrence(task_id: str) -> bool:

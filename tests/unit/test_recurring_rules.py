@@ -107,3 +107,13 @@ def test_a_rule_is_stored_as_plain_data(rule):
     assert rule_from_data(data) == rule
     if isinstance(rule, Cron):
         assert data["cron"].split()[0] in ("*", "0,15,30,45")
+
+
+def test_a_stored_crontab_is_parsed_once_and_its_times_memoized():
+    """A poller reads thousands of definitions of one rule: one shared rule, its next times computed once
+    (and the same as computed afresh)."""
+    data = {"cron": "*/5 * * * *", "tz": "Europe/Paris"}
+    rule = rule_from_data(data)
+    assert rule_from_data(dict(data)) is rule
+    after = ms("2026-03-29T01:58+01:00")
+    assert rule.next_after(after) == rule.next_after(after) == rule._next_after(after) == ms("2026-03-29T03:00+02:00")

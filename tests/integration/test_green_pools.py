@@ -113,6 +113,33 @@ def test_a_solo_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twi
     assert int(r.hget(f"demo:{run}:runs", killed.id)) == 2, "a killed worker's task did not run again, once"
 
 
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_stopped_cold_runs_its_killed_task_again(overrides, processes, pool):
+    """A cold shutdown (SIGQUIT) while a task runs and three wait (``-c 1``): Celery cancels the running
+    task by killing its greenlet, which its green pools report as a success (``(False, None, None)``),
+    so the task was acknowledged, its record settled and committed, and it never ran again: lost
+    (review 51).  It runs again on the next worker, as a killed prefork child's task does; the three
+    that waited run once (a copy the dying worker took meanwhile may wait out its run lease)."""
+    overrides.update(delayed_topic_partitions=1, delayed_run_lease=15)
+    app = create_app(**overrides)
+    run = uuid.uuid4().hex
+    r = redis.Redis.from_url(app.conf.delayed_redis_url)
+    processes.poller()
+    first = processes.worker("w1", "--pool", pool, "-c", "1")
+    tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(4)]
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
+    killed = r.hkeys(f"demo:{run}:runs")[0].decode()
+    time.sleep(0.5)
+    first.send_signal(signal.SIGQUIT)  # cold shutdown
+    first.wait(timeout=60)
+    processes.worker("w2", "--pool", pool, "-c", "1")
+    assert {x.get(timeout=60) for x in tasks} == {x.id for x in tasks}
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert runs.pop(killed) == 2 and list(runs.values()) == [1, 1, 1], runs
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processes, pool):
     """A worker started before any poller creates its queue's topic itself, waiting on the Kafka admin

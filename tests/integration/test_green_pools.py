@@ -19,7 +19,7 @@ from celery_delayed import store_of
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
-from .support import wait_for
+from .support import own_redis, wait_for
 from .test_worker import due_in
 
 POOLS = ["gevent", "eventlet"]
@@ -139,6 +139,31 @@ def test_a_green_worker_stopped_cold_runs_its_killed_task_again(overrides, proce
     runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
     assert runs.pop(killed) == 2 and list(runs.values()) == [1, 1, 1], runs
 
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_that_cancels_its_tasks_on_a_lost_broker_connection_runs_them_again(
+        overrides, processes, pool, tmp_path):
+    """``worker_cancel_long_running_tasks_on_connection_loss``: Celery kills a running task's greenlet when
+    its broker connection is lost (cut here, on a broker of the test's own), as at a cold shutdown; the
+    task was acknowledged as a success and never ran again (review 51).  It runs again."""
+    with own_redis(tmp_path / "broker") as broker:
+        overrides.update(delayed_topic_partitions=1, delayed_run_lease=15,
+                         broker_url=f"redis://127.0.0.1:{broker.connection_pool.connection_kwargs['port']}/1",
+                         worker_cancel_long_running_tasks_on_connection_loss=True)
+        app = create_app(**overrides)
+        run = uuid.uuid4().hex
+        r = redis.Redis.from_url(app.conf.delayed_redis_url)
+        processes.poller()
+        processes.worker("w1", "--pool", pool, "-c", "1")
+        tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(2)]
+        wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
+        cancelled = r.hkeys(f"demo:{run}:runs")[0].decode()
+        broker.client_kill_filter(_type="normal")
+        assert {x.get(timeout=60) for x in tasks} == {x.id for x in tasks}
+        runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+        assert runs.pop(cancelled) == 2 and list(runs.values()) == [1], runs
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processes, pool):

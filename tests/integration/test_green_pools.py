@@ -25,6 +25,15 @@ from .test_worker import due_in
 POOLS = ["gevent", "eventlet"]
 
 
+
+def one_partition(overrides, processes, *worker_args: str, **settings):
+    """A poller and worker ``w1`` (``worker_args``) of a topic of one partition, with ``settings``: the app,
+    a run id, the store's Redis and the worker."""
+    overrides.update(delayed_topic_partitions=1, **settings)
+    app = create_app(**overrides)
+    processes.poller()
+    return app, uuid.uuid4().hex, redis.Redis.from_url(app.conf.delayed_redis_url), processes.worker("w1", *worker_args)
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_runs_delayed_tasks_at_once_retries_them_and_parks_failures(overrides, processes, pool):
     """``-c 200``, 200 tasks of three seconds each due at once: they run concurrently (a pool fed one
@@ -58,12 +67,7 @@ def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_tw
     tasks run: they finish, and the next worker commits their records without
     running them again; then a kill -9 while tasks run: another worker runs them again once their
     run claims lapse (``delayed_run_lease``)."""
-    overrides.update(delayed_topic_partitions=1)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "--pool", pool, "-c", "10")
+    app, run, r, first = one_partition(overrides, processes, "--pool", pool, "-c", "10")
     warm = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(5)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 5, 60, "the tasks to start")
     assert processes.warm_stop(first) == 0
@@ -88,12 +92,7 @@ def test_a_solo_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twi
     it finishes there, once, and the two the worker held, never started, run on the next worker at once,
     not a run lease (60 s here) later; then a kill -9 while one runs: the next worker runs it again once
     its run claim lapses."""
-    overrides.update(delayed_topic_partitions=1, delayed_run_lease=60)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "--pool", "solo")
+    app, run, r, first = one_partition(overrides, processes, "--pool", "solo", delayed_run_lease=60)
     warm = [due_in(app, "tasks.demo.work", (run, 2.0)) for _ in range(3)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
     stopped = time.monotonic()
@@ -122,12 +121,7 @@ def test_a_green_worker_stopped_cold_runs_its_killed_task_again(overrides, proce
     so the task was acknowledged, its record settled and committed, and it never ran again: lost
     (review 51).  It runs again on the next worker, as a killed prefork child's task does; the three
     that waited run once (a copy the dying worker took meanwhile may wait out its run lease)."""
-    overrides.update(delayed_topic_partitions=1, delayed_run_lease=15)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "--pool", pool, "-c", "1")
+    app, run, r, first = one_partition(overrides, processes, "--pool", pool, "-c", "1", delayed_run_lease=15)
     tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(4)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
     killed = r.hkeys(f"demo:{run}:runs")[0].decode()
@@ -149,14 +143,10 @@ def test_a_green_worker_that_cancels_its_tasks_on_a_lost_broker_connection_runs_
     its broker connection is lost (cut here, on a broker of the test's own), as at a cold shutdown; the
     task was acknowledged as a success and never ran again (review 51).  It runs again."""
     with own_redis(tmp_path / "broker") as broker:
-        overrides.update(delayed_topic_partitions=1, delayed_run_lease=15,
-                         broker_url=f"redis://127.0.0.1:{broker.connection_pool.connection_kwargs['port']}/1",
-                         worker_cancel_long_running_tasks_on_connection_loss=True)
-        app = create_app(**overrides)
-        run = uuid.uuid4().hex
-        r = redis.Redis.from_url(app.conf.delayed_redis_url)
-        processes.poller()
-        processes.worker("w1", "--pool", pool, "-c", "1")
+        app, run, r, _ = one_partition(
+            overrides, processes, "--pool", pool, "-c", "1", delayed_run_lease=15,
+            broker_url=f"redis://127.0.0.1:{broker.connection_pool.connection_kwargs['port']}/1",
+            worker_cancel_long_running_tasks_on_connection_loss=True)
         tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(2)]
         wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
         cancelled = r.hkeys(f"demo:{run}:runs")[0].decode()

@@ -151,6 +151,7 @@ class Schedules:
     def _put_of(self, schedule_id: str, signature: Signature, schedule: Any, tz: str | None, options: dict[str, Any],
                 templates: Templates | None = None) -> Put:
         """What :meth:`upsert`'s arguments put; ``ValueError`` if one is bad."""
+        _check_id(schedule_id)
         zone = tz or zone_of(self.app)
         return (schedule_id, template_of(self.app, signature, templates), rule_of(schedule, zone),
                 options_of(options, zone))
@@ -188,6 +189,22 @@ class Schedules:
 def _named(item: Any) -> str:
     """An :meth:`Schedules.upsert_many` item, named in its error by its schedule id."""
     return f"schedule {item[0]!r:.100}" if isinstance(item, (tuple, builtins.list)) and item else "not an item"
+
+
+def _check_id(schedule_id: Any) -> None:
+    """``ValueError`` unless ``schedule_id`` is a string with a UTF-8 form (the store's field and hash):
+    found only when its batch was partitioned, another id failed a whole :meth:`Schedules.upsert_many`
+    batch, named as its first item."""
+    if not isinstance(schedule_id, str) or not _encodes(schedule_id):
+        raise ValueError(f"a schedule id is a string (of UTF-8 characters), got {schedule_id!r:.100}")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 def options_of(options: dict[str, Any], tz: str) -> Options:

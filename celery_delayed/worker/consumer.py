@@ -38,7 +38,7 @@ from celery_delayed.store.durability import worker_preflight
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, Arrival, Intake, Task, copy_of
 from celery_delayed.worker.offsets import OffsetTracker
 from celery_delayed.worker.drained import guard_drained
-from celery_delayed.worker.gate import PoolGate
+from celery_delayed.worker.gate import PoolGate, lost_when_killed
 from celery_delayed.worker.once import ADMISSION_RETRY, RunClaims, admit
 from celery_delayed.worker.wakeup import GreenWakeup, Wakeup
 
@@ -91,6 +91,7 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
         self.gate: PoolGate | None = None
         if getattr(c.pool, "is_green", False):  # before Celery's strategies take on_task_request (Tasks.start)
             self.gate = c.on_task_request = PoolGate(c.pool, c.timer, c.on_task_request)
+            lost_when_killed(c.pool)
 
     def start(self, c: Any) -> None:
         """Start reading Kafka.  A bad setting or a store it must not use (another layout, eviction) stops

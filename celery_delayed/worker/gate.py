@@ -18,6 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from billiard.einfo import ExceptionInfo
+from celery.exceptions import WorkerLostError
+
 #: Seconds between two looks at a full pool for a free slot.
 POLL_GAP = 0.005
 
@@ -62,3 +65,25 @@ def free_slots(pool: Any) -> int:
     ``_pool`` (gevent's ``Pool.free_count()``, eventlet's ``GreenPool.free()``; a test pins them)."""
     green = pool._pool
     return green.free_count() if hasattr(green, "free_count") else green.free()
+
+
+def lost_when_killed(pool: Any) -> None:
+    """A green pool's task whose greenlet Celery kills (its cancel at a cold shutdown, SIGQUIT, or at a lost
+    broker connection) ends as a lost worker's, as a killed prefork child's does: acks_late and
+    reject_on_worker_lost put it back through the store, and it runs again.  Celery's gevent and eventlet
+    pools report it a success (``(False, None, None)``, their ``_make_killable_target``, a test pins it):
+    acknowledged, its record settled and committed, it never ran again."""
+    from greenlet import GreenletExit  # a green pool's: not installed with celery-delayed alone
+
+    def killable(target: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return target(*args, **kwargs)
+            except GreenletExit as exc:
+                try:
+                    raise WorkerLostError(f"its greenlet was killed ({exc!r})") from exc
+                except WorkerLostError:
+                    return True, ExceptionInfo(), None  # failed: Celery's Request.on_success calls on_failure
+        return run
+
+    type(pool)._make_killable_target = staticmethod(killable)

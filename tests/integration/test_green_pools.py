@@ -19,10 +19,20 @@ from celery_delayed import store_of
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
-from .support import wait_for
+from .support import own_redis, wait_for
 from .test_worker import due_in
 
 POOLS = ["gevent", "eventlet"]
+
+
+
+def one_partition(overrides, processes, *worker_args: str, **settings):
+    """A poller and worker ``w1`` (``worker_args``) of a topic of one partition, with ``settings``: the app,
+    a run id, the store's Redis and the worker."""
+    overrides.update(delayed_topic_partitions=1, **settings)
+    app = create_app(**overrides)
+    processes.poller()
+    return app, uuid.uuid4().hex, redis.Redis.from_url(app.conf.delayed_redis_url), processes.worker("w1", *worker_args)
 
 
 @pytest.mark.parametrize("pool", POOLS)
@@ -58,12 +68,7 @@ def test_a_green_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_tw
     tasks run: they finish, and the next worker commits their records without
     running them again; then a kill -9 while tasks run: another worker runs them again once their
     run claims lapse (``delayed_run_lease``)."""
-    overrides.update(delayed_topic_partitions=1)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "--pool", pool, "-c", "10")
+    app, run, r, first = one_partition(overrides, processes, "--pool", pool, "-c", "10")
     warm = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(5)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 5, 60, "the tasks to start")
     assert processes.warm_stop(first) == 0
@@ -89,12 +94,7 @@ def test_a_solo_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twi
     not a run lease (30 s here) later; then a kill -9 while one runs: the next worker runs it again once
     its run claim lapses."""
     lease = 30
-    overrides.update(delayed_topic_partitions=1, delayed_run_lease=lease)
-    app = create_app(**overrides)
-    run = uuid.uuid4().hex
-    r = redis.Redis.from_url(app.conf.delayed_redis_url)
-    processes.poller()
-    first = processes.worker("w1", "--pool", "solo")
+    app, run, r, first = one_partition(overrides, processes, "--pool", "solo", delayed_run_lease=lease)
     warm = [due_in(app, "tasks.demo.work", (run, 2.0)) for _ in range(3)]
     wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
     stopped = time.monotonic()
@@ -115,6 +115,49 @@ def test_a_solo_worker_stopped_warm_or_killed_loses_nothing_and_runs_nothing_twi
     assert killed.get(timeout=120) == killed.id
     assert int(r.hget(f"demo:{run}:runs", killed.id)) == 2, "a killed worker's task did not run again, once"
 
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_stopped_cold_runs_its_killed_task_again(overrides, processes, pool):
+    """A cold shutdown (SIGQUIT) while a task runs and three wait (``-c 1``): Celery cancels the running
+    task by killing its greenlet, which its green pools report as a success (``(False, None, None)``),
+    so the task was acknowledged, its record settled and committed, and it never ran again: lost
+    (review 51).  It runs again on the next worker, as a killed prefork child's task does; the three
+    that waited run once (a copy the dying worker took meanwhile may wait out its run lease)."""
+    app, run, r, first = one_partition(overrides, processes, "--pool", pool, "-c", "1", delayed_run_lease=15)
+    tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(4)]
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
+    killed = r.hkeys(f"demo:{run}:runs")[0].decode()
+    time.sleep(0.5)
+    first.send_signal(signal.SIGQUIT)  # cold shutdown
+    first.wait(timeout=60)
+    processes.worker("w2", "--pool", pool, "-c", "1")
+    assert {x.get(timeout=60) for x in tasks} == {x.id for x in tasks}
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert runs.pop(killed) == 2 and list(runs.values()) == [1, 1, 1], runs
+
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_that_cancels_its_tasks_on_a_lost_broker_connection_runs_them_again(
+        overrides, processes, pool, tmp_path):
+    """``worker_cancel_long_running_tasks_on_connection_loss``: Celery kills a running task's greenlet when
+    its broker connection is lost (cut here, on a broker of the test's own), as at a cold shutdown; the
+    task was acknowledged as a success and never ran again (review 51).  It runs again."""
+    with own_redis(tmp_path / "broker") as broker:
+        app, run, r, _ = one_partition(
+            overrides, processes, "--pool", pool, "-c", "1", delayed_run_lease=15,
+            broker_url=f"redis://127.0.0.1:{broker.connection_pool.connection_kwargs['port']}/1",
+            worker_cancel_long_running_tasks_on_connection_loss=True)
+        tasks = [due_in(app, "tasks.demo.work", (run, 3.0)) for _ in range(2)]
+        wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the first task to start")
+        cancelled = r.hkeys(f"demo:{run}:runs")[0].decode()
+        broker.client_kill_filter(_type="normal")
+        assert {x.get(timeout=60) for x in tasks} == {x.id for x in tasks}
+        runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+        assert runs.pop(cancelled) == 2 and list(runs.values()) == [1], runs
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_green_worker_that_creates_its_queues_topic_starts(overrides, processes, pool):

@@ -131,6 +131,27 @@ def test_a_bad_item_is_named_in_one_line_and_those_before_it_are_upserted_whole(
     assert set(tasks) == {d.pending_id for d in definitions.values()}
 
 
+
+@pytest.mark.parametrize("bad_id", [537, None, b"b:537", "b:\ud800"], ids=["int", "None", "bytes", "surrogate"])
+def test_an_item_whose_id_is_not_a_string_is_named_and_those_before_it_are_upserted(overrides, bad_id):
+    """An id Redis cannot take as a schedule id (not a str, or a str with no UTF-8 form) in items[537]:
+    named in one line like any bad item, the 537 before it upserted whole; it failed the whole batch
+    (partitioning its id raised), named as items[0] with none of the batch upserted (review 51)."""
+    app = create_app(**overrides)
+    schedules, store = Schedules(app), store_of(app)
+    items = [(f"b:{i}", app.signature("tasks.demo.add", args=(i, i)), 3600) for i in range(600)]
+    items[537] = (bad_id, *items[537][1:])
+    with pytest.raises(UpsertManyError) as raised:
+        schedules.upsert_many(items)
+    error = raised.value
+    assert str(error).startswith("items[537] (schedule ") and "ValueError: a schedule id is a string" in str(error)
+    assert "\n" not in str(error) and error.upserted == 537 and next(error.rest)[0] == bad_id
+    definitions, tasks, marks = held(store, schedules)
+    assert set(definitions) == {f"b:{i}" for i in range(537)} and not marks
+    assert set(tasks) == {d.pending_id for d in definitions.values()}
+    with pytest.raises(ValueError, match=r"^a schedule id is a string"):
+        schedules.upsert(bad_id, app.signature("tasks.demo.add", args=(0, 0)), 3600)
+
 def killed_client(overrides, *args: str) -> int:
     """Run ``upsert_many_client`` with ``args`` until it is killed (by itself, or after 3 batches
     reported): how many it reported upserted."""

@@ -172,6 +172,28 @@ def test_a_new_leader_takes_its_predecessors_copies_in_flight_at_once_not_after_
         store.claim(0, token=5, limit=10)
 
 
+
+def test_a_new_leader_with_a_shorter_visibility_timeout_takes_back_its_predecessors_copies_not_its_own(overrides):
+    """The predecessor's copies in flight have later deadlines than the new leader's claims (its
+    visibility timeout was longer: a rolling config change; or Redis' clock stepped back): the new
+    leader's next claims, before Kafka confirmed its first, took its own copies back as its
+    predecessor's, lowest deadline first, and sent those 10 four times while the other 20 waited out the
+    predecessor's visibility timeout (review 51).  Each is taken back and claimed once."""
+    settings = {"partitions": 1, "dispatch_lead": 0.5}
+    old = DelayedStore(Settings.from_conf(overrides, visibility_timeout=30, **settings))
+    new = DelayedStore(Settings.from_conf(overrides, visibility_timeout=10, **settings))
+    now = now_ms()
+    ids = [str(uuid.uuid4()) for _ in range(30)]
+    old.schedule_many((task_id, now - 1000 + i, data)
+                      for i, (task_id, (_, _, data)) in enumerate(zip(ids, envelopes(30, "q", 0))))
+    assert len(old.claim(0, token=5, limit=30).items) == 30
+    taken = [new.claim(0, token=6, limit=10) for _ in range(4)]  # no ack in between: Kafka has not confirmed
+    sent = [item[0] for claim in taken for item in claim.items]
+    assert sorted(sent) == sorted(ids), f"{len(sent)} sent, {len(set(sent))} distinct"
+    assert taken[0].stamp < taken[1].stamp < taken[2].stamp  # a stamp names one claim
+    assert new.redis.get(new.keys.handover(0)) == b"0"
+    assert new.ack(0, [(item[0], claim.stamp) for claim in taken for item in claim.items]) == 30
+
 def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
     """A retry (or put-back) written while the poller still waits for the first copy's delivery
     report: the old claim's ack or nack must not delete it; a plain duplicate says it was kept."""

@@ -56,6 +56,28 @@ def test_a_green_pool_tells_its_free_slots(name):
         pool.stop()
 
 
+
+@pytest.mark.parametrize("name", ["gevent", "eventlet"])
+def test_a_green_task_whose_greenlet_is_killed_ends_as_a_lost_worker_s(name):
+    """gate.lost_when_killed replaces the green pools' ``_make_killable_target``, by which Celery reports
+    a task whose greenlet it killed (its cancel) a success: with it, a failure by WorkerLostError."""
+    pytest.importorskip(name, reason="the green pools are a dev extra: scripts/test has them, test-pythons not")
+    from celery.concurrency import get_implementation
+    from celery.exceptions import WorkerLostError
+    from greenlet import GreenletExit
+    from celery_delayed.worker.gate import lost_when_killed
+
+    def killed():
+        raise GreenletExit
+
+    pool_class = get_implementation(name)
+    assert pool_class._make_killable_target(killed)() == (False, None, None)  # Celery's: a success
+    ours = type("Ours", (pool_class,), {})  # Celery's own class left as it is for the other tests
+    lost_when_killed(ours.__new__(ours))
+    failed, info, _ = ours._make_killable_target(killed)()
+    assert failed and isinstance(info.exception.exc, WorkerLostError)  # as Request.on_success unwraps it
+    assert ours._make_killable_target(lambda: 5)() == 5
+
 def test_every_request_reaches_the_pool_through_the_consumer_s_on_task_request():
     """consumer.py puts a green worker's gate (gate.py) in ``Consumer.on_task_request`` before Celery's
     Tasks step builds the strategies: the default strategy takes it when made, and the ETA timer

@@ -27,6 +27,9 @@
 -- claim's horizon (its deadline - visibility + lead, within this claim's: none runs early, none waits),
 -- up to ARGV[2] a claim: the highest deadline among them is kept (handover key) until all are back,
 -- then 0 (the key stays: a script declaring a key its node lacks is refused while its slot migrates).
+-- Until then a claim's deadline is above the handover's: a predecessor's later deadlines (its longer
+-- visibility timeout, or Redis' clock stepped back) would have the next claims take this leader's own
+-- copies back as its predecessor's, lowest deadline first, again and again, and leave the others waiting.
 -- A predecessor still alive (partitioned off etcd) may deliver a copy too: the worker runs a task id
 -- once, and its ack, of the old stamp, leaves the new claim's copy alone (ack.lua).
 --
@@ -104,13 +107,18 @@ if handover > 0 then
   for i = 1, #left, 2 do
     due_again({left[i]}, math.max(now, math.min(tonumber(left[i + 1]) - visibility + lead, horizon)))
   end
-  if #left < 2 * limit then redis.call('SET', handover_key, '0') end
+  if #left < 2 * limit then
+    redis.call('SET', handover_key, '0')
+    handover = 0
+  end
 end
 
--- (at most a second past now + visibility: a clock stepped back must not stretch deadlines)
+-- (at most a second past now + visibility: a clock stepped back must not stretch deadlines;
+-- but during a handover above it and the last stamp: its next claims must not take this one's copies back)
 local deadline = now + visibility
 last = tonumber(last)
 if last >= deadline and last < deadline + 1000 then deadline = last + 1 end
+if handover > 0 and deadline <= math.max(handover, last) then deadline = math.max(handover, last) + 1 end
 redis.call('SET', stamp_key, deadline)
 redis.call('SET', claim_key, request .. ' ' .. deadline)
 local out = {now, -1, deadline, {}}

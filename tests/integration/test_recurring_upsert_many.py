@@ -201,7 +201,9 @@ def test_a_generator_is_read_as_it_goes_and_memory_stays_flat(overrides, monkeyp
     """A generator of 12 batches: read a batch ahead of what is put at most, and what the client holds
     (traced Python allocations) after the 12th batch is what it held after the 6th: no list of results
     (one grows ~1 MB a batch).  The first batches fill caches once (a connection, kombu's), sooner or later
-    by the machine's speed: in CI they still grew 0.2 MB between the 3rd batch and the 6th, then not at all."""
+    by the machine's speed: in CI they still grew 0.2 MB between the 3rd batch and the 6th, then not at all.
+    Traced memory is the whole process's: threads other tests left in it allocate too (over 0.2 MB once,
+    three tests at a time), so the bound is 1 MB, well under the 7.9 MB a list of results grows by."""
     import tracemalloc
 
     monkeypatch.setattr(schedules_module, "BATCH", 500)
@@ -223,4 +225,4 @@ def test_a_generator_is_read_as_it_goes_and_memory_stays_flat(overrides, monkeyp
     finally:
         tracemalloc.stop()
     grown = held_at[6000] - held_at[3000]
-    assert grown < 200_000, f"{grown} bytes more held after 12 batches than after 6: {held_at}"
+    assert grown < 1_000_000, f"{grown} bytes more held after 12 batches than after 6: {held_at}"

@@ -142,7 +142,7 @@ class KafkaFeed:
         self.queues = sorted(amqp.queues.consume_from)
         self.offsets = OffsetTracker()
         self._ready: deque[Arrival] = deque()  # admitted, waiting for the loop
-        self._gate = gate  # a green worker's, in front of its pool
+        self._gate = gate  # a green worker's (gevent, eventlet), in front of its pool
         self._ready_lock = threading.Lock()
         self._unadmitted: list[Arrival] = []  # read, waiting for a failed admission's next try
         self._admit_at = 0.0
@@ -154,8 +154,8 @@ class KafkaFeed:
         self._idle_since: float | None = time.monotonic()  # reading no partition since (None: said so)
         self._thread: threading.Thread | None = None
         self._wakeup: Wakeup | GreenWakeup | None = None
-        # gevent, eventlet: the worker patched threading, so this feed's thread is a greenlet of its hub
-        self._green = bool(getattr(c.pool, "is_green", False))
+        # a green worker patched threading: this feed's thread is a greenlet of its hub
+        self._green = gate is not None
 
     # -- consumer thread -------------------------------------------------------
     def start(self) -> None:

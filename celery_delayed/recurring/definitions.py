@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from celery_delayed import inert
-from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, deflate, inflate
+from celery_delayed.envelope import Envelope, EnvelopeError, deflate, inflate, stored_headers
 from celery_delayed.recurring.occurrences import (NOMINAL_HEADER, RUN_NOW_VERSION, SCHEDULE_HEADER, VERSION_HEADER,
     occurrence, occurrence_id)
 from celery_delayed.recurring.policy import Options, grace_ms
@@ -439,12 +439,10 @@ class Definitions:
         found: list[Advance] = [NOT_AN_OCCURRENCE] * len(messages)
         waiting: list[Due] = []
         for index, message in enumerate(messages):
-            try:  # the meta alone (its headers as stored: the schedule's are never defaults left out)
-                headers = decode_meta(message).get("h")
+            try:  # the schedule's headers are never defaults a compact envelope leaves out
+                headers = stored_headers(message)
             except EnvelopeError:
                 continue  # not an occurrence of ours: the poller's routing parks it
-            if not isinstance(headers, dict):
-                continue
             schedule_id = headers.get(SCHEDULE_HEADER)
             if schedule_id is None:
                 continue

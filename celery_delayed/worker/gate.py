@@ -86,4 +86,5 @@ def lost_when_killed(pool: Any) -> None:
                     return True, ExceptionInfo(), None  # failed: Celery's Request.on_success calls on_failure
         return run
 
+    # on the class, not the instance: Celery's eventlet pool calls TaskPool._make_killable_target
     type(pool)._make_killable_target = staticmethod(killable)

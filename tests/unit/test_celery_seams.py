@@ -56,7 +56,6 @@ def test_a_green_pool_tells_its_free_slots(name):
         pool.stop()
 
 
-
 @pytest.mark.parametrize("name", ["gevent", "eventlet"])
 def test_a_green_task_whose_greenlet_is_killed_ends_as_a_lost_worker_s(name):
     """gate.lost_when_killed replaces the green pools' ``_make_killable_target``, by which Celery reports
@@ -77,6 +76,7 @@ def test_a_green_task_whose_greenlet_is_killed_ends_as_a_lost_worker_s(name):
     failed, info, _ = ours._make_killable_target(killed)()
     assert failed and isinstance(info.exception.exc, WorkerLostError)  # as Request.on_success unwraps it
     assert ours._make_killable_target(lambda: 5)() == 5
+
 
 def test_every_request_reaches_the_pool_through_the_consumer_s_on_task_request():
     """consumer.py puts a green worker's gate (gate.py) in ``Consumer.on_task_request`` before Celery's

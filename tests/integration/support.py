@@ -412,7 +412,7 @@ class SilentServer:
 
 def held_by_workers(app: Any, run: str) -> list[dict]:
     """The ETA requests Celery's workers hold in memory for one test's ``run`` (among their
-    arguments): every worker on the shared broker answers ``inspect``, other tests' too."""
-    held = app.control.inspect(timeout=2).scheduled()
-    assert held, "no worker answered inspect().scheduled()"
+    arguments): every worker on the shared broker answers ``inspect``, other tests' too, and on a busy
+    machine none may within one call's timeout: asked again until one does."""
+    held = wait_for(lambda: app.control.inspect(timeout=2).scheduled(), 30, "a worker to answer inspect().scheduled()")
     return [t for tasks in held.values() for t in tasks if run in (t["request"].get("args") or ())]

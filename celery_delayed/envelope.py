@@ -32,6 +32,7 @@ from json.encoder import c_make_encoder, encode_basestring, encode_basestring_as
 from typing import Any, AnyStr
 from collections.abc import Callable
 
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.compression import compress, decompress
 from kombu.serialization import dumps, loads, registry
 from kombu.utils import json as kombu_json
@@ -71,6 +72,24 @@ ZDICT_V1 = (
 
 class EnvelopeError(ValueError):
     """Stored bytes are not a valid celery-delayed envelope."""
+
+
+def header_ms(headers: dict, name: str) -> int | None:
+    """A time header (``eta``/``expires``) in ms since the epoch.
+
+    Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
+    conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
+    say, an aware one is taken as it is.  The zone only names the same instant
+    differently, so it is not looked up (a settings lookup costs more than the parse).
+    """
+    value = headers.get(name) if isinstance(headers, dict) else None
+    if not value:
+        return None
+    try:
+        when = maybe_make_aware(maybe_iso8601(value))
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
+    return int(when.timestamp() * 1000)
 
 
 @dataclass

@@ -20,15 +20,15 @@ from typing import Any
 
 from celery import current_task
 from celery.app.amqp import AMQP
-from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import Queue
 from kombu.exceptions import OperationalError
 from kombu.utils.objects import cached_property
 
 from celery_delayed import inert
 from celery_delayed.client.batch import Batch, batching
-from celery_delayed.envelope import (KEY_HEADER, KEY_MODES, KEY_MODE_HEADER, Envelope, attempt_of, deflate, executing,
-    serialize)
+from celery_delayed.envelope import (KEY_HEADER, KEY_MODES, KEY_MODE_HEADER, Envelope, EnvelopeError, attempt_of,
+    deflate, executing, serialize)
+from celery_delayed.envelope import header_ms as envelope_header_ms
 from celery_delayed.settings import RECORD_OVERHEAD, Settings
 from celery_delayed.store.delayed import DelayedStore
 from celery_delayed.store.outcomes import Change, Stored, write_retrying
@@ -46,21 +46,12 @@ class DelayedPublishError(ValueError):
 
 
 def header_ms(headers: dict, name: str) -> int | None:
-    """A time header (``eta``/``expires``) in ms since the epoch.
-
-    Celery's worker (``Request``) reads it with ``maybe_make_aware(value,
-    conf.timezone)``: a naive time is UTC whatever ``enable_utc``/``timezone``
-    say, an aware one is taken as it is.  The zone only names the same instant
-    differently, so it is not looked up (a settings lookup costs more than the parse).
-    """
-    value = headers.get(name) if isinstance(headers, dict) else None
-    if not value:
-        return None
+    """A time header (``eta``/``expires``) in ms since the epoch (:func:`.envelope.header_ms`); raises
+    :class:`DelayedPublishError` for one that is not an ISO 8601 time."""
     try:
-        when = maybe_make_aware(maybe_iso8601(value))
-    except (TypeError, ValueError) as exc:
-        raise DelayedPublishError(f"{name} {value!r} is not an ISO 8601 time: {exc}") from None
-    return int(when.timestamp() * 1000)
+        return envelope_header_ms(headers, name)
+    except EnvelopeError as exc:
+        raise DelayedPublishError(str(exc)) from None
 
 
 class DelayedAMQP(AMQP):

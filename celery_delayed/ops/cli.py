@@ -49,6 +49,7 @@ from celery_delayed.store.layout import iso_of
 from celery_delayed.store.outcomes import Change, StoreUnavailable, TaskInFlight, TaskNotScheduled
 from celery_delayed.store.records import is_revoked
 from celery_delayed.store.revoke import cancel_or_revoke
+from celery_delayed.worker.broker import connect as broker_connect
 
 console = Console()
 err_console = Console(stderr=True)
@@ -486,10 +487,10 @@ def drain_command(ctx: click.Context, to_broker: bool, force: bool, dry_run: boo
 
 
 def _broker_connection(app: Celery, broker: str) -> Connection:
-    """The drain's connection to Celery's broker (:func:`.drain.connect`); a one-line error, before the
+    """The drain's connection to Celery's broker (:func:`.broker.connect`); a one-line error, before the
     store is touched, when the broker cannot be reached or does not answer."""
     try:
-        return drain.connect(app)
+        return broker_connect(app)
     except OperationalError as exc:
         raise click.ClickException(f"Celery's broker {broker} is unreachable or does not answer ({exc}): nothing "
                                    "was sent or removed; run drain again once it answers") from None

@@ -17,32 +17,26 @@ that ended is removed from the store, one that runs is left for a second run.
 The task a drain sends carries the :data:`.once.DRAINED` header, so that an
 installed worker still runs it only once should a Kafka copy start after the
 check (:mod:`.worker.drained`).  The broker is reached within bounded time
-(:func:`connect`): one that does not answer ends the drain before it changes
+(:func:`.broker.connect`): one that does not answer ends the drain before it changes
 anything.
 """
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from kombu import Connection
 
-from celery_delayed.client.intercept import header_ms
 from celery_delayed.envelope import KEY_HEADER, Envelope, EnvelopeError
 from celery_delayed.ops import browse
 from celery_delayed.poller.leadership import make_etcd
 from celery_delayed.store.revoke import record_revoked
+from celery_delayed.worker.broker import publish_args
 from celery_delayed.worker.intake import copy_of
-from celery_delayed.worker.once import DRAINED, Admit, look
+from celery_delayed.worker.once import Admit, look
 
 #: Ids of unreadable stored messages a drain names (it counts them all).
 NAMED = 20
-#: Longest a drain tries to reach the broker, over all its tries (s); each try is bounded by
-#: ``broker_connection_timeout``.
-CONNECT_WITHIN = 10.0
-#: Transports whose socket reads wait for ever unless given a timeout (kombu's Redis transport options).
-SOCKET_TIMEOUTS = {"redis": ("socket_connect_timeout", "socket_timeout")}
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -71,49 +65,10 @@ def return_lapsed_claims(store: DelayedStore) -> tuple[int, int]:
     return returned, sum(row["inflight"] for row in store.counts())
 
 
-def connect(app: Celery) -> Connection:
-    """A connection to ``app``'s broker, established, each of whose socket operations gives up after
-    ``broker_connection_timeout`` (on Redis: its socket timeouts, unless the app sets its own), tried for
-    :data:`CONNECT_WITHIN` s at most.  Raises kombu's ``OperationalError`` when the broker cannot be
-    reached or does not answer, as a publish on it does (within ``task_publish_retry_policy``)."""
-    timeout = app.conf.broker_connection_timeout
-    connection = app.connection_for_write()
-    options = dict(app.conf.broker_transport_options)
-    for name in SOCKET_TIMEOUTS.get(connection.transport.driver_type, ()):
-        options[name] = options.get(name) or timeout
-    connection = connection.clone(transport_options=options)
-    try:
-        return connection.ensure_connection(max_retries=app.conf.broker_connection_max_retries,
-                                            timeout=CONNECT_WITHIN)
-    except BaseException:
-        connection.release()
-        raise
-
-
-def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int) -> dict[str, Any]:
-    """What ``Producer.publish`` takes to send ``envelope`` as Celery would have, due at ``due_ms``: its
-    body untouched, its headers with ``eta`` (and :data:`.once.DRAINED`); its queue declared (the app's
-    definition, or as Celery makes a missing one) and the message sent to it by name through the default
-    exchange, as Celery sends to a direct queue, so it lands in that queue whatever bindings the broker has;
-    Celery's delivery mode and publish retry policy, and its ``expiration`` from ``expires`` (seconds left
-    at ``now_ms``, at least 0)."""
-    queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)
-    eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
-    args = {"body": envelope.body, "exchange": "", "routing_key": envelope.queue,
-            "headers": {**envelope.headers, "eta": eta, DRAINED: now_ms}, "content_type": envelope.content_type,
-            "content_encoding": envelope.content_encoding, "declare": [queue], "retry": True,
-            "retry_policy": app.conf.task_publish_retry_policy,
-            "delivery_mode": getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode,
-            **envelope.properties}
-    if (expires_ms := header_ms(envelope.headers, "expires")) is not None:
-        args["expiration"] = max(0.0, (expires_ms - now_ms) / 1000)
-    return args
-
-
 def to_broker(app: Celery, connection: Connection, flt: browse.Filter,
               progress: browse.Progress | None = None) -> dict[str, Any]:
     """Publish every scheduled task ``flt`` selects to ``app``'s broker (on ``connection``, see
-    :func:`connect`) with its ETA, then remove it from the store; returns how many were ``sent``, how
+    :func:`.broker.connect`) with its ETA, then remove it from the store; returns how many were ``sent``, how
     many had ``moved on`` meanwhile (a poller claimed or someone removed them between the read and the
     removal: sent all the same), how many were not sent: ``already run`` (ended: removed from the store),
     ``revoked`` (revoked, or replaced under their key: recorded REVOKED, removed), ``running`` (a copy

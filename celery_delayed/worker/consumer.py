@@ -205,8 +205,8 @@ class KafkaFeed:
         the partitions' new owners, which find them running (their run claims,
         still extended here) or finished, and never run them twice.  Celery
         drops the requests it had reserved but not started when its consumer
-        stops: their claims are given up (see :meth:`.Intake.let_go`) and the
-        new owners run them at once.
+        stops: their claims are given up and the tasks handed back to Celery's
+        broker (see :meth:`.Intake.let_go`), where a live worker takes them at once.
         """
         if self._gate is not None:
             self._gate.close()

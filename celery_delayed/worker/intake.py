@@ -33,6 +33,7 @@ from celery_delayed.store.dlq import DeadLetter, DeadLetters, reason_of
 from celery_delayed.store.layout import MAX_DUE_MS, iso_of
 from celery_delayed.store.outcomes import STORE_ERRORS
 from celery_delayed.store.revoke import record_revoked
+from celery_delayed.worker.broker import connect, publish_args
 from celery_delayed.worker.failures import parking
 from celery_delayed.worker.offsets import OffsetTracker, PartitionOffsets
 from celery_delayed.worker.once import FROM_KAFKA, Admit, Copy, RunClaims, Verdict
@@ -44,6 +45,8 @@ logger = inert.logger(__name__)
 TRANSIENT_ERRORS = (*STORE_ERRORS, BackendError, OperationalError, ConnectionError, TimeoutError, OSError)
 #: How often (s) a record that ended checks whether its dead letter is written yet, before it settles.
 PARK_CHECK = 0.5
+#: Longest a stopping worker tries to reach Celery's broker to hand back the tasks it read (s).
+HAND_BACK_WITHIN = 2.0
 
 
 #: Celery >= 5.7 cancels the ETA timer entries of the requests it drops when its consumer
@@ -64,7 +67,7 @@ def _restore_eta(request: Any = None, **_: Any) -> None:
 class Intake:
     """Acts, on the worker's event loop, on the records the feed admitted (:meth:`dispatch`).
 
-    ``in_hand``: task ids given to Celery and not settled yet.  ``on_settled`` is
+    ``in_hand``: the tasks given to Celery and not settled yet, by id.  ``on_settled`` is
     called after each settle (a prefetch slot is free).
     """
 
@@ -77,7 +80,7 @@ class Intake:
         self.offsets = offsets
         self.dead_letters = DeadLetters(store)
         self.accept = prepare_accept_content(c.app.conf.accept_content)
-        self.in_hand: set[str] = set()
+        self.in_hand: dict[str, Task] = {}
         self._on_settled = on_settled
         self._requests: dict[str, Any] = {}  # Celery's request of each task in hand, once it made one
         self._jobs: dict[str, Any] = {}  # their pool jobs, kept from the start of a warm shutdown
@@ -110,7 +113,7 @@ class Intake:
                            verdict.wait_ms + int(self.settings.dispatch_lead * 1000))
             self._settle(partition, record.offset())
         else:
-            self.in_hand.add(task_id)
+            self.in_hand[task_id] = task
             try:
                 self._run_claimed(arrival, task)
             except _Unrunnable as exc:
@@ -178,22 +181,56 @@ class Intake:
 
     def let_go(self, running: set[str]) -> None:
         """Once the feed stopped: give up the run claims of the tasks in hand that can never run here,
-        so the copies the partitions' next readers get run at once.
+        and hand them back to Celery's broker (:meth:`_hand_back`).
 
         The claims of the others stay held and extended until Celery settles their tasks: the
         running ones, and those in its pool; a job Celery's pool flush dropped after writing it to
         a child, which runs it, is put back in the pool's books (:func:`_back_in_pool`).  One whose
         fate cannot be told (Celery < 5.7, or its job gone) is no longer extended and lapses after
         the run lease.  A copy read meanwhile waits in the store for the claim."""
-        for task_id in self.in_hand - running:
+        never = []
+        for task_id in self.in_hand.keys() - running:
             fate = self._fate(task_id)
             if fate is _Fate.NEVER:
-                self.claims.release(task_id)
+                never.append(self.in_hand[task_id])
             elif fate is _Fate.UNKNOWN:
                 self.claims.forget(task_id)
             else:
                 _back_in_pool(self._job_of(self._requests[task_id]))
             self._untrack(task_id)
+        given_up = []
+        for task in never:  # given up now, so that the broker copy may run
+            try:
+                self.claims.release_now(task.envelope.task_id)
+                given_up.append(task)
+            except STORE_ERRORS:  # told when the store answers: meanwhile no copy may run
+                self.claims.release(task.envelope.task_id)
+        if given_up:
+            self._hand_back(given_up)
+
+    def _hand_back(self, tasks: list[Task]) -> None:
+        """Send tasks this stopping worker read but can no longer run (their claims given up) to
+        Celery's broker, due when they are (:mod:`.broker`), as Celery's own ETA path returns a stopping
+        worker's reserved tasks to the broker: a live worker runs each when due, not once the
+        partitions' next owners read it again from Kafka (a partition has no owner for a heartbeat or
+        more after its worker left the group).  Their Kafka copies stay, and the run claims keep to one
+        run; should the broker be away, those copies alone run them.  On a Redis broker this worker's
+        own pending read of its queues (a BRPOP, answered before the others' one time in as many
+        workers as wait) may take a copy back: it returns to the queue when this worker closes its
+        connection, and the Kafka copy may run first then, as without the hand-back."""
+        now_ms = int(time.time() * 1000)
+        try:
+            with connect(self.c.app, within=HAND_BACK_WITHIN) as connection:
+                producer = connection.Producer()
+                for task in tasks:
+                    due_ms = task.headers[FROM_KAFKA]["due"] or now_ms
+                    producer.publish(**publish_args(self.c.app, task.envelope, due_ms, now_ms))
+        except Exception as exc:  # any failure leaves the Kafka copies, which run all the same
+            logger.warning("could not hand the tasks read here back to Celery's broker (%r): they run when the "
+                           "partitions' next owners read them", exc)
+        else:
+            logger.info("handed %d tasks read here back to Celery's broker: %s", len(tasks),
+                        ", ".join(task.envelope.task_id for task in tasks))
 
     def _on_received(self, request: Any = None, **_: Any) -> None:
         """Keep Celery's request of a task in hand (``task_received``, sent while the strategy
@@ -230,7 +267,7 @@ class Intake:
         return _Fate.MAY_RUN
 
     def _untrack(self, task_id: str) -> None:
-        self.in_hand.discard(task_id)
+        self.in_hand.pop(task_id, None)
         self._requests.pop(task_id, None)
         self._jobs.pop(task_id, None)
 

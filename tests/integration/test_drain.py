@@ -18,7 +18,8 @@ from kombu import Exchange, Queue
 from bench import compare_app
 from celery_delayed import apply_many, store_of
 from celery_delayed.envelope import Envelope
-from celery_delayed.ops.drain import publish_args, running_pollers
+from celery_delayed.ops.drain import running_pollers
+from celery_delayed.worker.broker import publish_args
 from celery_delayed.store.inspection import UNREADABLE
 from celery_delayed.store.layout import member_of
 from celery_delayed.worker.once import DRAINED

@@ -20,6 +20,7 @@ from celery_delayed.kafka import consumer_config
 from celery_delayed.settings import Settings
 from celery_delayed.worker.consumer import LEAVE_TIMEOUT, KafkaFeed, incremental
 from celery_delayed.worker.offsets import OffsetTracker
+from celery_delayed.worker.once import DRAINED, FROM_KAFKA
 from tasks import create_app
 
 from .conftest import SERVERS
@@ -134,6 +135,39 @@ def test_a_request_waiting_for_a_pool_slot_at_a_warm_stop_runs_on_the_next_worke
     stopping.join(120)
     assert busy.get(timeout=60) == busy.id
     assert set(runs(r, run).values()) == {1}
+
+
+def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_broker_and_runs_once(overrides,
+                                                                                                      processes):
+    """A task a worker read ahead of its due time (``delayed_dispatch_lead``) and holds when it stops never
+    runs there: its claim was given up and its record left for the partition's next owner, which reads it
+    once the group gave it the partition (a heartbeat or more after the stop: in a rolling restart by
+    process-group SIGTERM, bench.fleet, such tasks were up to 1.3 s late).  The stopping worker now hands
+    it back to Celery's broker, as Celery's own ETA path does: the copy there is the stored message, due
+    when it is, marked drained (no Kafka marks); the next worker runs that copy (no Kafka hops recorded),
+    only once, though the Kafka copy comes round too.  (The worker is alone when it stops, so the copy is
+    still in the broker's queue when looked at; with others, one of them takes it at once.)"""
+    overrides.update(delayed_topic_partitions=1, delayed_dispatch_lead=3.0, delayed_run_lease=3)
+    app, run, r, first = poller_and_worker(overrides, processes, 1)
+    due_ms = int(time.time() * 1000) + 5_000
+    task = app.tasks["tasks.demo.fire"].apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+    wait_for(lambda: f"[{task.id}] received" in processes.log(first), 30, "the worker to receive it")
+    processes.warm_stop(first)
+    broker = redis.Redis.from_url(app.conf.broker_url)
+    handed = [json.loads(raw) for raw in broker.lrange(overrides["task_default_queue"], 0, -1)]
+    assert [m["headers"]["id"] for m in handed] == [task.id], processes.log(first)[-2000:]
+    headers = handed[0]["headers"]
+    assert headers["eta"] == datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
+    assert DRAINED in headers and FROM_KAFKA not in headers
+    second = processes.worker("w2", "-c", "1")
+    wait_for(lambda: task.id in runs(r, run), 30, "the next worker to run it")
+    time.sleep(8)  # its Kafka copy: read by the next worker (claimed: put back past the claim), then come round
+    lag = [int(x) for x in r.lrange(f"demo:{run}:lag", 0, -1)]
+    print(f"\nhanded back at a warm stop: runs {runs(r, run)}, started {lag} ms after due")
+    assert app.backend.get_task_meta(task.id)["worker"].split("@")[0] == "w2"
+    assert r.lrange(f"demo:{run}:hops", 0, -1) == [], "it ran from its Kafka copy, not from the broker's"
+    assert runs(r, run) == {task.id: 1}
+    assert lag[0] >= 0
 
 
 def test_a_job_flushed_from_the_pool_after_it_reached_a_child_runs_once_and_its_worker_exits(overrides, processes):

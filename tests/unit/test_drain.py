@@ -2,7 +2,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from celery_delayed.envelope import Envelope
-from celery_delayed.ops.drain import publish_args
+from celery_delayed.worker.broker import publish_args
 from celery_delayed.worker.once import DRAINED
 
 DUE_MS = 1_796_000_000_123

@@ -121,6 +121,8 @@ class _Claims:
     def release(self, task_id: str) -> None:
         self.released.append(task_id)
 
+    release_now = release
+
     def forget(self, task_id: str) -> None:
         self.forgotten.append(task_id)
 
@@ -148,12 +150,16 @@ def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_thos
     requests["gone"] = SimpleNamespace(id="gone", _apply_result=weakref.ref(_Job()))  # already collected
     intake = object.__new__(Intake)
     intake.claims, intake._requests, intake._jobs = _Claims(), dict(requests), {}
-    intake.in_hand = set(requests) | {"running"}
+    intake.in_hand = {task_id: SimpleNamespace(envelope=SimpleNamespace(task_id=task_id))
+                      for task_id in [*requests, "running"]}
+    handed_back: list = []
+    intake._hand_back = handed_back.extend
     intake._keep_jobs()  # worker_shutting_down
     del jobs  # Celery's pool flush drops its own references
     assert "dropped" not in worker_state.requests
     intake.let_go(running={"running"})
     assert sorted(intake.claims.released) == ["dropped", "unwritten"]
+    assert sorted(task.envelope.task_id for task in handed_back) == ["dropped", "unwritten"]  # to the broker
     assert intake.claims.forgotten == ["gone"]
-    assert intake.in_hand == {"running"}
+    assert list(intake.in_hand) == ["running"]
     assert pool_cache == {2: written}

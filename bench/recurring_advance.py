@@ -37,9 +37,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from celery.schedules import crontab
 from rich.console import Console
 from rich.progress import Progress
-from celery.schedules import crontab
 from rich.table import Table
 
 from celery_delayed.client.schedules import template_of

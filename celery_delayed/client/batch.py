@@ -12,7 +12,7 @@ from celery import Celery
 from celery.events import Event
 from celery.utils.time import utcoffset
 
-from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, cut, json_encoder
+from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, cut, deflate, json_encoder
 from celery_delayed.store.delayed import Item
 from celery_delayed.store.outcomes import write_retrying
 
@@ -33,6 +33,7 @@ class Batch:
         self.app = app
         self.before = before  # the write of the chunk before, stored first
         self.items: list[Item] = []  # each with its queue: the store need not read it from the message
+        self.frames: list[int] = []  # the items holding a frame to deflate (add_made)
         self.events: list[dict | str] = []  # a task-sent event's fields, or (publish_made) its JSON
         self.sent = sent  # the chunk's signatures sent so far
         self.durable = 0  # how many of them are stored (or, not delayed, gone to the broker)
@@ -77,9 +78,25 @@ class Batch:
             parts.append(piece)
         self.events.append("".join(parts))
 
+    def add_made(self, task_id: str, due_ms: int, frame: bytes, queue: str) -> None:
+        """A task made from a template, ``frame`` its compact envelope: :meth:`deflate` makes its stored form."""
+        self.frames.append(len(self.items))
+        self.items.append((task_id, due_ms, frame, queue))
+
+    def deflate(self) -> None:
+        """The stored form of each task made from a template (:meth:`add_made`).  :func:`.apply_many` runs it in
+        a thread of its own while the next chunk is made (zlib lets go of the GIL as it deflates): it was a
+        third of the time of the thread making them."""
+        items, min_bytes = self.items, self.app.amqp.delayed_settings.compress_min_bytes
+        for at in self.frames:
+            item = items[at]
+            items[at] = (*item[:2], deflate(item[2], min_bytes), *item[3:])
+        self.frames = []
+
     def flush(self) -> None:
         """Store the chunk's tasks (retried as a broker publish is), after the chunk before; then send
         their events."""
+        self.deflate()
         if self.before is not None:
             self.before.result()
             self.before = None

@@ -82,9 +82,10 @@ def _plain_text(text: str) -> bool:
 
 @dataclass
 class Made:
-    """One task made from a template: its stored form, and the headers its events repeat."""
+    """One task made from a template: its compact frame (:func:`.envelope.deflate` makes its stored form:
+    :meth:`.Batch.add_made` does so where it is written), and the headers its events repeat."""
 
-    stored: bytes
+    frame: bytes
     task_id: str
     due_ms: int
     argsrepr: str | None  # None: the template's own (given as an option)
@@ -174,11 +175,11 @@ class Template:
             parts.append(piece)
         parts.append(body)
         frame = b"".join(parts)
-        stored = deflate(frame, self.compress_min_bytes)
-        record = len(stored) + len(task_id.encode()) + RECORD_OVERHEAD
-        if len(frame) > self.max_message_bytes or record > self.max_record:
+        room = self.max_record - len(task_id.encode()) - RECORD_OVERHEAD  # for the stored form, in a Kafka record
+        if len(frame) > self.max_message_bytes or (
+                len(frame) > room and len(deflate(frame, self.compress_min_bytes)) > room):  # (never longer deflated)
             return None  # the per-task path refuses it (DelayedAMQP.stored_form)
-        return Made(stored, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
+        return Made(frame, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
 
     def encode(self, args: tuple | list, kwargs: dict) -> bytes | None:
         """The body of a task of this shape, serialized and compressed as kombu's producer does for this

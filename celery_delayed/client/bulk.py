@@ -22,7 +22,7 @@ from celery.canvas import Signature
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from celery_delayed.client.batch import Batch, batching
+from celery_delayed.client.batch import Batch, batching, events_dispatcher
 from celery_delayed.client.intercept import DelayedAMQP
 from celery_delayed.client.template import Shapes, Template
 
@@ -129,6 +129,7 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     if not isinstance(app.amqp, DelayedAMQP):
         raise RuntimeError("celery_delayed.install(app) was not called on this app")
     shapes = Shapes(app, when, enabled=not per_task)
+    dispatcher = events_dispatcher(app)  # the chunks' (a dispatcher is a connection's transport: ms to make)
     done = Results()
     count = 0
     rest = iter(signatures)
@@ -141,7 +142,7 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
             chunk, broken = read_chunk(rest, CHUNK)
             if not chunk:
                 break
-            built = _Chunk(app, shapes, chunk, when, writing and writing[1])
+            built = _Chunk(app, shapes, chunk, when, writing and writing[1], dispatcher)
             deflating = deflater.submit(built.batch.deflate)
             if writing:  # the chunk before is stored first
                 count = _settle(*writing, done if results else None, count, progress,
@@ -177,11 +178,11 @@ class _Chunk:
     """
 
     def __init__(self, app: Celery, shapes: Shapes, signatures: list[Signature], when: dict,
-                 before: Future | None) -> None:
+                 before: Future | None, dispatcher: Any) -> None:
         self.signatures, self.when = signatures, when
         self.sent: list[AsyncResult | tuple[Template, str]] = []
         self.copies: list[Signature | str] = []  # per signature tried: its copy sent, or the id it was made with
-        self.batch = batch = Batch(app, self.sent, before)
+        self.batch = batch = Batch(app, self.sent, before, dispatcher)
         self.store = app.amqp.delayed_store
         self.failed: Exception | None = None
         token = batching.set(batch)

@@ -29,7 +29,7 @@ import re
 import zlib
 from dataclasses import dataclass, field
 from json.encoder import c_make_encoder, encode_basestring, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any, AnyStr
+from typing import Any
 from collections.abc import Callable
 
 from celery.utils.time import maybe_iso8601, maybe_make_aware
@@ -302,18 +302,23 @@ def json_encoder() -> Callable[[Any], str] | None:
     return lambda value: "".join(encode(value, 0))
 
 
-def cut(frame: AnyStr, placeholders: dict[str, AnyStr]) -> tuple[list[AnyStr], list[str]]:
-    """JSON text ``frame`` cut at each of its ``placeholders`` (name -> the JSON of a string value it
-    holds once): the pieces between, and the names in order.  Joined with JSON values between them,
-    the pieces are the JSON of the same data with those values in place of the placeholders."""
-    marks = sorted((frame.index(text), name, len(text)) for name, text in placeholders.items())
-    pieces, names, start = [], [], 0
+def format_of(text: str, placeholders: dict[str, str]) -> str:
+    """JSON ``text`` as a ``str.format`` string: a field named ``name`` where it holds ``placeholders[name]``
+    (the JSON of a string value, there once), its other braces doubled.  ``format_map`` with the JSON of
+    values gives the JSON of the same data holding those values in place of the placeholders: a
+    template's per-task values filled in by one call, not a Python loop over its pieces."""
+    marks = sorted((text.index(json), name, len(json)) for name, json in placeholders.items())
+    parts, start = [], 0
     for at, name, width in marks:
-        pieces.append(frame[start:at])
-        names.append(name)
+        parts += [_literal(text[start:at]), "{", name, "}"]
         start = at + width
-    pieces.append(frame[start:])
-    return pieces, names
+    parts.append(_literal(text[start:]))
+    return "".join(parts)
+
+
+def _literal(text: str) -> str:
+    """``text`` as ``str.format`` writes it, verbatim."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 # -- headers of celery-delayed's own, and the attempt a message is -------------------------------

@@ -22,7 +22,7 @@ from celery.canvas import Signature
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from celery_delayed.client.batch import Batch, batching
+from celery_delayed.client.batch import Batch, batching, events_dispatcher
 from celery_delayed.client.intercept import DelayedAMQP
 from celery_delayed.client.template import Shapes, Template
 
@@ -129,21 +129,25 @@ def apply_many(signatures: Iterable[Signature], *, eta: datetime | None = None, 
     if not isinstance(app.amqp, DelayedAMQP):
         raise RuntimeError("celery_delayed.install(app) was not called on this app")
     shapes = Shapes(app, when, enabled=not per_task)
+    dispatcher = events_dispatcher(app)  # the chunks' (a dispatcher is a connection's transport: ms to make)
     done = Results()
     count = 0
     rest = iter(signatures)
     writing: tuple[_Chunk, Future] | None = None
     broken: Exception | None = None  # what reading ``signatures`` raised
-    with ThreadPoolExecutor(1, thread_name_prefix="delayed-apply-many") as writer:  # waits for a write in flight
+    # a chunk's tasks are deflated (the deflater) while the chunk before is written, both while the next is made
+    with ThreadPoolExecutor(1, thread_name_prefix="delayed-apply-many") as writer, \
+            ThreadPoolExecutor(1, thread_name_prefix="delayed-deflate") as deflater:  # wait for what is in flight
         while not broken:
             chunk, broken = read_chunk(rest, CHUNK)
             if not chunk:
                 break
-            built = _Chunk(app, shapes, chunk, when, writing and writing[1])
+            built = _Chunk(app, shapes, chunk, when, writing and writing[1], dispatcher)
+            deflating = deflater.submit(built.batch.deflate)
             if writing:  # the chunk before is stored first
                 count = _settle(*writing, done if results else None, count, progress,
                                 itertools.chain(built.unsent(), rest))
-            writing = built, writer.submit(built.write)
+            writing = built, writer.submit(built.write, deflating)
             if built.failed:
                 break
         if writing:
@@ -174,11 +178,11 @@ class _Chunk:
     """
 
     def __init__(self, app: Celery, shapes: Shapes, signatures: list[Signature], when: dict,
-                 before: Future | None) -> None:
+                 before: Future | None, dispatcher: Any) -> None:
         self.signatures, self.when = signatures, when
         self.sent: list[AsyncResult | tuple[Template, str]] = []
         self.copies: list[Signature | str] = []  # per signature tried: its copy sent, or the id it was made with
-        self.batch = batch = Batch(app, self.sent, before)
+        self.batch = batch = Batch(app, self.sent, before, dispatcher)
         self.store = app.amqp.delayed_store
         self.failed: Exception | None = None
         token = batching.set(batch)
@@ -197,7 +201,7 @@ class _Chunk:
         template = shapes.templates.get(shape) if shape is not None else None
         if template is not None and (made := shapes.make(template, signature)) is not None:
             self.copies.append(made.task_id)
-            batch.items.append((made.task_id, self.store.on_store_clock(made.due_ms), made.stored, template.queue))
+            batch.add_made(made.task_id, self.store.on_store_clock(made.due_ms), made.frame, template.queue)
             template.sent(made, signature.get("args"), signature.get("kwargs"), batch)
             self.sent.append((template, made.task_id))
             return
@@ -210,9 +214,11 @@ class _Chunk:
             batch.bypassed = False
             batch.flush()
 
-    def write(self) -> None:
-        """Store what the chunk sent (also before a failure); raise its failure, if any."""
+    def write(self, deflating: Future) -> None:
+        """Store what the chunk sent (also before a failure), once ``deflating`` (its tasks) is done;
+        raise its failure, if any."""
         try:
+            deflating.result()
             self.batch.flush()
         except Exception as exc:
             self.failed = self.failed or exc

@@ -280,7 +280,7 @@ class Templates:
         made = template and template.make(TEMPLATE_ID, signature.get("args"), signature.get("kwargs"),
                                           TEMPLATE_DUE_MS, TEMPLATE_ETA.isoformat(), None)
         if made:
-            return Envelope.decode(made.stored)
+            return Envelope.decode(made.frame)
         batch = self.batch
         batch.published = None
         token = batching.set(batch)

@@ -34,7 +34,7 @@ from celery.utils.saferepr import saferepr
 from celery.utils.time import maybe_make_aware
 from kombu.compression import compress
 
-from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, cut, deflate, json_encoder, serialize
+from celery_delayed.envelope import JSON_ENCODING, JSON_TYPE, Envelope, deflate, format_of, json_encoder, serialize
 from celery_delayed.settings import RECORD_OVERHEAD
 
 #: Options that differ from task to task of one shape.
@@ -82,9 +82,10 @@ def _plain_text(text: str) -> bool:
 
 @dataclass
 class Made:
-    """One task made from a template: its stored form, and the headers its events repeat."""
+    """One task made from a template: its compact frame (:func:`.envelope.deflate` makes its stored form:
+    :meth:`.Batch.add_made` does so where it is written), and the headers its events repeat."""
 
-    stored: bytes
+    frame: bytes
     task_id: str
     due_ms: int
     argsrepr: str | None  # None: the template's own (given as an option)
@@ -96,9 +97,9 @@ class Made:
 class Template:
     """A shape's message as Celery built it for one task, to make the shape's other tasks from.
 
-    The compact frame of the template's envelope is cut where the per-task
-    headers go (:data:`SLOTS`); a task's frame is the pieces joined with its
-    values, then its serialized body.
+    The compact frame of the template's envelope is a format string with a field
+    where each per-task header goes (:data:`SLOTS`); a task's frame is it filled
+    with its values, then its serialized body.
     """
 
     def __init__(self, app: Celery, task: Task, envelope: Envelope, body: tuple, publish: dict[str, Any],
@@ -121,7 +122,7 @@ class Template:
         conf = app.conf
         self.maxsizes = app.amqp.argsrepr_maxsize, app.amqp.kwargsrepr_maxsize, conf.task_repr_maxlevels
         self.event = event
-        self._event_frame: tuple[list[str], list[str]] | tuple[()] | None = None  # (Batch.event_frame)
+        self._event_frame: str | None = None  # (Batch.event_frame)
         self.after_headers = dict(publish["headers"])
         slotted = dict(headers, id=SLOTS["id"])
         if self.own_root:
@@ -138,7 +139,8 @@ class Template:
         frame = Envelope(task_id=SLOTS["id"], queue=envelope.queue, headers=slotted, body=b"",
                          content_type=envelope.content_type, content_encoding=envelope.content_encoding,
                          properties=properties, exchange=envelope.exchange, routing_key=envelope.routing_key).encode()
-        self.pieces, self.slots = cut(frame, {name: encode_basestring_ascii(SLOTS[name]).encode() for name in filled})
+        self.frame = format_of(frame.decode("ascii"),  # (JSON of ASCII text: json.dumps' default)
+                               {name: encode_basestring_ascii(SLOTS[name]) for name in filled})
         settings = app.amqp.delayed_settings
         self.compress_min_bytes, self.max_message_bytes = settings.compress_min_bytes, settings.max_message_bytes
         self.max_record = settings.kafka_message_max_bytes
@@ -152,33 +154,29 @@ class Template:
         if (type(args) is not tuple and type(args) is not list) or not isinstance(kwargs, dict):
             return None
         maxsize_args, maxsize_kwargs, maxlevels = self.maxsizes
-        values = {"id": task_id}
-        if self.repr_args:
-            values["argsrepr"] = argsrepr(args, maxsize_args, maxlevels)
-        if self.repr_kwargs:
-            values["kwargsrepr"] = argsrepr(kwargs, maxsize_kwargs, maxlevels)
-        if self.has_expires:
-            if expires is None:
-                return None
-            values["expires"] = expires
+        text_args = argsrepr(args, maxsize_args, maxlevels) if self.repr_args else None
+        text_kwargs = argsrepr(kwargs, maxsize_kwargs, maxlevels) if self.repr_kwargs else None
+        if self.has_expires and expires is None:
+            return None
         try:
             body = self.encode(args, kwargs)
         except Exception:  # the per-task path raises it as Celery does
             return None
         if body is None:
             return None
-        pieces = self.pieces
-        parts = [pieces[0]]
-        for slot, piece in zip(self.slots, pieces[1:]):
-            parts.append(encode_basestring_ascii(values[slot]).encode())
-            parts.append(piece)
-        parts.append(body)
-        frame = b"".join(parts)
-        stored = deflate(frame, self.compress_min_bytes)
-        record = len(stored) + len(task_id.encode()) + RECORD_OVERHEAD
-        if len(frame) > self.max_message_bytes or record > self.max_record:
+        values = {"id": encode_basestring_ascii(task_id)}  # the JSON of what fills the frame's fields
+        if text_args is not None:
+            values["argsrepr"] = encode_basestring_ascii(text_args)
+        if text_kwargs is not None:
+            values["kwargsrepr"] = encode_basestring_ascii(text_kwargs)
+        if expires is not None:  # (a field of the frame when the shape has its own expiry)
+            values["expires"] = encode_basestring_ascii(expires)
+        frame = self.frame.format_map(values).encode() + body
+        room = self.max_record - len(task_id.encode()) - RECORD_OVERHEAD  # for the stored form, in a Kafka record
+        if len(frame) > self.max_message_bytes or (
+                len(frame) > room and len(deflate(frame, self.compress_min_bytes)) > room):  # (never longer deflated)
             return None  # the per-task path refuses it (DelayedAMQP.stored_form)
-        return Made(stored, task_id, due_ms, values.get("argsrepr"), values.get("kwargsrepr"), eta, expires)
+        return Made(frame, task_id, due_ms, text_args, text_kwargs, eta, expires)
 
     def encode(self, args: tuple | list, kwargs: dict) -> bytes | None:
         """The body of a task of this shape, serialized and compressed as kombu's producer does for this

@@ -17,7 +17,7 @@ from kombu.serialization import loads
 
 from celery_delayed import ApplyManyError, DelayedPublishError, apply_many, store_of
 from celery_delayed.client import template
-from celery_delayed.envelope import Envelope
+from celery_delayed.envelope import Envelope, deflate, inflate
 from tasks import create_app
 
 from .support import wait_for
@@ -138,6 +138,8 @@ def test_a_task_made_from_a_template_is_stored_as_apply_async_stores_it(override
         a, b = first(a), first(b)
         one, other = Envelope.decode(store.message(a.id)), Envelope.decode(store.message(b.id))
         assert comparable(other) == comparable(one), signature
+        stored = store.message(b.id)  # deflated, as the per-task path deflates its frame:
+        assert stored == deflate(inflate(stored), app.amqp.delayed_settings.compress_min_bytes), signature
         assert close(one.headers.get("expires"), other.headers.get("expires")), signature
         due_one, due_other = store.get(a.id)["due_ms"], store.get(b.id)["due_ms"]
         if "eta" in signature.options:

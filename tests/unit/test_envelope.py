@@ -1,8 +1,10 @@
+import json
 import pickle
+from json.encoder import encode_basestring_ascii
 
 import pytest
 
-from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, queue_of
+from celery_delayed.envelope import Envelope, EnvelopeError, decode_meta, format_of, queue_of
 from celery_delayed.store.layout import partition_of
 
 
@@ -75,3 +77,15 @@ def test_meta_nested_deeper_than_the_parser_goes_is_an_envelope_error():
         decode_meta(deep)
     with pytest.raises(EnvelopeError, match="envelope meta is not JSON"):
         Envelope.decode(deep)
+
+
+def test_format_of_fills_placeholders_with_json_values_and_keeps_every_other_brace():
+    """A template's JSON with braces of its own (objects, and a "{x}" in a string) made a format string:
+    filled with the JSON of values it is the JSON of the same data holding them, each placeholder
+    wherever it is (out of name order)."""
+    data = {"b": "\0b\0", "h": {"x": "{x} }{", "n": [1, {}]}, "a": "\0a\0", "z": None}
+    text = json.dumps(data)
+    frame = format_of(text, {name: encode_basestring_ascii(f"\0{name}\0") for name in ("a", "b")})
+    values = {"a": "é \"quoted\" {a}", "b": "plain"}
+    filled = frame.format_map({name: encode_basestring_ascii(value) for name, value in values.items()})
+    assert filled == json.dumps({**data, **values}) and json.loads(filled) == {**data, **values}

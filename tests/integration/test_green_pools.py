@@ -216,3 +216,4 @@ def test_a_green_worker_s_task_revoked_with_terminate_is_not_put_back(overrides,
     time.sleep(5)  # time for w2 to take a copy put back
     runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
     assert runs == {revoked.id: 1, after.id: 1}, "a task revoked with terminate ran again"
+    assert revoked.state == "REVOKED"

@@ -27,7 +27,8 @@ def occurrence_id(schedule_id: str, nominal_ms: int, run_now: bool = False) -> s
     """The task id of ``schedule_id``'s occurrence at ``nominal_ms``, the same wherever it is computed;
     a run-now occurrence's is another (never one of the chain's, at the same instant).  ``uuid.uuid5``'s
     string, computed without building a ``UUID`` (a poller computes one per occurrence: a quarter the time)."""
-    name = f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")
+    # the id's characters, as the store and the occurrence's header hold them (a str enum formats as its name)
+    name = schedule_id + f"\0{nominal_ms}" + ("\0now" if run_now else "")
     digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
     digest[6] = digest[6] & 0x0F | 0x50  # version 5
     digest[8] = digest[8] & 0x3F | 0x80  # RFC 4122 variant

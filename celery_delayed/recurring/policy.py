@@ -75,7 +75,8 @@ class Options:
         nominal time), so a copy written or dispatched again is due at the same time."""
         if not self.jitter_ms:
             return nominal_ms
-        digest = hashlib.blake2b(f"{schedule_id}\0{nominal_ms}".encode(), digest_size=8).digest()
+        # the id's characters, not its format (as occurrence_id)
+        digest = hashlib.blake2b((schedule_id + f"\0{nominal_ms}").encode(), digest_size=8).digest()
         return nominal_ms + int.from_bytes(digest, "big") % (self.jitter_ms + 1)
 
     def misfire_of(self, rule: Rule, schedule_id: str, nominal_ms: int, now_ms: int, grace: int) -> Misfire:

@@ -20,6 +20,7 @@ from typing import Any
 
 from billiard.einfo import ExceptionInfo
 from celery.exceptions import WorkerLostError
+from celery.worker.state import revoked
 
 #: Seconds between two looks at a full pool for a free slot.
 POLL_GAP = 0.005
@@ -72,7 +73,9 @@ def lost_when_killed(pool: Any) -> None:
     broker connection) ends as a lost worker's, as a killed prefork child's does: acks_late and
     reject_on_worker_lost put it back through the store, and it runs again.  Celery's gevent and eventlet
     pools report it a success (``(False, None, None)``, their ``_make_killable_target``, a test pins it):
-    acknowledged, its record settled and committed, it never ran again."""
+    acknowledged, its record settled and committed, it never ran again.  A task revoked with
+    ``terminate=True`` is killed on purpose: Celery's own report stands (acknowledged, as a terminated
+    prefork child's), not put back where a worker that does not remember the revoke would run it again."""
     from greenlet import GreenletExit  # a green pool's: not installed with celery-delayed alone
 
     def killable(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,6 +83,8 @@ def lost_when_killed(pool: Any) -> None:
             try:
                 return target(*args, **kwargs)
             except GreenletExit as exc:
+                if len(args) > 1 and args[1] in revoked:  # the task id (Request.execute_using_pool's)
+                    return False, None, None
                 try:
                     raise WorkerLostError(f"its greenlet was killed ({exc!r})") from exc
                 except WorkerLostError:

@@ -192,3 +192,28 @@ def test_a_green_worker_reads_every_task_sent_ahead_while_it_holds_them(override
     hops = [json.loads(h) for h in r.lrange(f"demo:{run}:hops", 0, -1)]
     ahead = sorted(h["due"] - h["read"] for h in hops)
     assert len(hops) == 20 and ahead[0] >= 1000, f"ms each task was read before its due time: {ahead}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_green_worker_s_task_revoked_with_terminate_is_not_put_back(overrides, processes, pool):
+    """``revoke(terminate=True)`` of a running broker task (``-c 1``, prefetch 1, another task queued):
+    Celery kills its greenlet as at a cold shutdown, but on purpose; eventlet's kill runs the task's
+    end at once, before Celery acknowledges the revoke, and a lost worker's end rejected it back to the
+    broker, where only a worker that remembers the revoke drops it: the next one started ran it again.
+    As a killed prefork child's revoked task, it is acknowledged and never runs again."""
+    app, run, r, first = one_partition(overrides, processes, "--pool", pool, "-c", "1",
+                                       worker_prefetch_multiplier=1)
+    revoked = app.tasks["tasks.demo.work"].apply_async((run, 8.0))
+    wait_for(lambda: r.hlen(f"demo:{run}:runs") == 1, 60, "the task to start")
+    after = app.tasks["tasks.demo.work"].apply_async((run, 3.0))  # waits in the broker's queue (prefetch 1)
+    time.sleep(0.5)
+    revoked.revoke(terminate=True)
+    wait_for(lambda: r.hget(f"demo:{run}:runs", after.id), 30, "the queued task to start")
+    assert processes.warm_stop(first) == 0  # a worker started next does not know Celery's revoke
+    processes.worker("w2", "--pool", pool, "-c", "1")
+    assert after.get(timeout=30) == after.id
+    time.sleep(5)  # time for w2 to take a copy put back
+    runs = {k.decode(): int(v) for k, v in r.hgetall(f"demo:{run}:runs").items()}
+    assert runs == {revoked.id: 1, after.id: 1}, "a task revoked with terminate ran again"
+    assert revoked.state == "REVOKED"

@@ -14,6 +14,7 @@ from celery_delayed import Schedules, store_of
 from celery_delayed.client.schedules import beat_entries
 from celery_delayed.envelope import Envelope
 from celery_delayed.recurring.occurrences import NOMINAL_HEADER, occurrence
+from celery_delayed.recurring.definitions import Definitions
 from celery_delayed.store.dlq import DeadLetters
 from tasks import create_app
 
@@ -242,3 +243,39 @@ def test_an_advance_failing_by_a_fault_of_no_known_kind_parks_its_copy_and_no_po
     assert [(d.reason, Envelope.decode(d.message).headers["delayed_schedule"]) for d in parked][:1] == [
         ("its recurring schedule cannot advance: RuntimeError: a fault in the advance of poison", "poison")]
     assert Ticks(store.settings, f"{run}-poison").counts() == {}
+
+
+#: Upserts schedule ``Job.nightly`` (a ``str`` enum: its value "nightly" is what the store holds) of the
+#: app its environment configures, killed (-9) after it writes the pending occurrence, before it
+#: clears its put's mark.
+KILLED_ENUM_UPSERT = textwrap.dedent("""
+    import enum, os, signal
+    from celery_delayed import Schedules
+    from celery_delayed.recurring.definitions import Definitions
+    from tasks import create_app
+    class Job(str, enum.Enum):
+        nightly = "nightly"
+    Definitions._clear_marks = lambda self, marks: os.kill(os.getpid(), signal.SIGKILL)
+    app = create_app()
+    Schedules(app).upsert(Job.nightly, app.signature("tasks.demo.add", args=(1, 2)), 1)
+""")
+
+
+def test_a_schedule_id_of_a_str_enum_has_one_chain_after_its_upsert_was_killed(overrides):
+    """An id that is a ``str`` enum member formats as ``Job.nightly`` on Python 3.11 while the store and
+    the occurrence's header hold ``nightly``: the upsert's occurrence id was derived from the one,
+    the put's completion (a poller's start, ``complete_puts``) derived another from the other, at the
+    same time and version, and both went to run: the occurrence fired twice.  The id is the string
+    the store holds, wherever it is derived."""
+    app = create_app(**overrides)
+    store = store_of(app)
+    killed = subprocess.run([sys.executable, "-c", KILLED_ENUM_UPSERT], cwd=ROOT, env=environment(overrides),
+                            timeout=60)
+    assert killed.returncode == -9
+    Definitions(store).complete_puts()
+    pending = Schedules(app).get("nightly").pending_id
+    assert store.message(pending) is not None
+    wait_for(lambda: store.now_ms() > store.get(pending)["due_ms"], 10, "the occurrence to be due")
+    due = [data for p in range(store.settings.partitions) for _, _, data in store.claim(p, 1, 10).items]
+    runs = [advance for advance in Definitions(store).advance_many(due, store.now_ms()) if advance.goes]
+    assert len(runs) == 1, f"{len(due)} occurrences of one time, {len(runs)} sent to run"

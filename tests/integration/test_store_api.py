@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from unittest.mock import Mock
 from datetime import datetime, timezone
 
 import pytest
+import redis
 
 from celery_delayed.settings import Settings
 from celery_delayed.store.delayed import DelayedStore
@@ -193,6 +195,27 @@ def test_a_new_leader_with_a_shorter_visibility_timeout_takes_back_its_predecess
     assert taken[0].stamp < taken[1].stamp < taken[2].stamp  # a stamp names one claim
     assert new.redis.get(new.keys.handover(0)) == b"0"
     assert new.ack(0, [(item[0], claim.stamp) for claim in taken for item in claim.items]) == 30
+
+def test_a_claim_read_lost_during_a_handover_is_claimed_again_at_once(overrides, monkeypatch):
+    """A new leader's claim during a handover has a deadline above its predecessor's copies' (above);
+    the connection is lost before its tasks are read.  The next claim, sending its request id again,
+    put them back due at that deadline less the visibility timeout, taken for the claim's horizon:
+    with the predecessor's visibility timeout 300 s against 10 s, ten tasks waited 290 s while the
+    others went at once.  They are due again at once, as any unread claim's are, each claimed once."""
+    settings = {"partitions": 1, "dispatch_lead": 0.5}
+    old = DelayedStore(Settings.from_conf(overrides, visibility_timeout=300, **settings))
+    new = DelayedStore(Settings.from_conf(overrides, visibility_timeout=10, **settings))
+    tasks = list(envelopes(30, "q", now_ms() - 1000))
+    old.schedule_many(tasks)
+    assert len(old.claim(0, token=5, limit=30).items) == 30  # then killed before Kafka confirmed them
+    monkeypatch.setattr(new, "_read_claimed", Mock(side_effect=redis.ConnectionError("lost")))
+    with pytest.raises(redis.ConnectionError):
+        new.claim(0, token=6, limit=10)
+    monkeypatch.undo()
+    taken = [new.claim(0, token=6, limit=10) for _ in range(4)]  # no ack in between: Kafka has not confirmed
+    sent = [item[0] for claim in taken for item in claim.items]
+    assert sorted(sent) == sorted(task_id for task_id, _, _ in tasks), f"{len(sent)} sent, {len(set(sent))} distinct"
+
 
 def test_a_newer_copy_scheduled_while_the_old_one_is_in_flight_survives_its_ack_and_nack(store):
     """A retry (or put-back) written while the poller still waits for the first copy's delivery

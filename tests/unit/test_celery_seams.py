@@ -59,14 +59,15 @@ def test_a_green_pool_tells_its_free_slots(name):
 @pytest.mark.parametrize("name", ["gevent", "eventlet"])
 def test_a_green_task_whose_greenlet_is_killed_ends_as_a_lost_worker_s(name):
     """gate.lost_when_killed replaces the green pools' ``_make_killable_target``, by which Celery reports
-    a task whose greenlet it killed (its cancel) a success: with it, a failure by WorkerLostError."""
+    a task whose greenlet it killed (its cancel) a success: with it, a failure by WorkerLostError, unless
+    the task was revoked (``revoke(terminate=True)``: killed on purpose, Celery's report stands)."""
     pytest.importorskip(name, reason="the green pools are a dev extra: scripts/test has them, test-pythons not")
     from celery.concurrency import get_implementation
     from celery.exceptions import WorkerLostError
     from greenlet import GreenletExit
     from celery_delayed.worker.gate import lost_when_killed
 
-    def killed():
+    def killed(*_):
         raise GreenletExit
 
     pool_class = get_implementation(name)
@@ -76,6 +77,14 @@ def test_a_green_task_whose_greenlet_is_killed_ends_as_a_lost_worker_s(name):
     failed, info, _ = ours._make_killable_target(killed)()
     assert failed and isinstance(info.exception.exc, WorkerLostError)  # as Request.on_success unwraps it
     assert ours._make_killable_target(lambda: 5)() == 5
+    # revoke(terminate=True): Celery's own report; the task id is the trace's second argument
+    assert "args=(self._type, task_id, " in inspect.getsource(Request.execute_using_pool)
+    worker_state.revoked.add("revoked-id")
+    try:
+        assert ours._make_killable_target(killed)("task", "revoked-id") == (False, None, None)
+        assert ours._make_killable_target(killed)("task", "other-id")[0]
+    finally:
+        worker_state.revoked.discard("revoked-id")
 
 
 def test_every_request_reaches_the_pool_through_the_consumer_s_on_task_request():

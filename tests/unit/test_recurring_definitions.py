@@ -2,6 +2,7 @@
 per occurrence), unless it changed; an occurrence's id, computed without ``uuid``, is still its uuid5."""
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from celery_delayed.envelope import Envelope, deflate
 from celery_delayed.recurring import definitions
 from celery_delayed.recurring.definitions import Definition
 from celery_delayed.recurring.occurrences import NAMESPACE, occurrence_id
+from celery_delayed.recurring.policy import Options
 
 TEMPLATE = Envelope(task_id="t", queue="q", headers={"task": "tasks.demo.add", "argsrepr": "(1, 2)" * 40},
                     body=b"[[1, 2], {}, {}]" * 20,
@@ -46,3 +48,12 @@ def test_an_occurrence_id_is_uuid5_of_its_schedule_and_time(schedule_id, run_now
     for nominal_ms in (0, 1, 1_796_659_560_000, 2**42 - 1):
         name = f"{schedule_id}\0{nominal_ms}" + ("\0now" if run_now else "")
         assert occurrence_id(schedule_id, nominal_ms, run_now) == str(uuid.uuid5(NAMESPACE, name))
+
+
+def test_a_str_enum_schedule_id_derives_what_its_value_does():
+    """A ``str`` enum member formats as its name (``Job.nightly``) on Python 3.11, while the store and
+    an occurrence's header hold its value: its occurrence ids and jitter are its value's."""
+    job = enum.Enum("Job", {"nightly": "nightly"}, type=str).nightly
+    assert f"{job}" != "nightly"  # what the ids were derived from
+    assert occurrence_id(job, 60_000) == occurrence_id("nightly", 60_000)
+    assert Options(jitter_ms=10**9).due_ms(job, 60_000) == Options(jitter_ms=10**9).due_ms("nightly", 60_000)

@@ -19,8 +19,9 @@
 -- Each claim comes with a request id, recorded with its stamp. A claim whose reply was lost
 -- is sent again with the same id (DelayedStore.claim): when it is still the partition's last
 -- claim, its tasks still in flight are due again at once (not after the visibility timeout),
--- at that claim's horizon (the latest due time they can have: none runs early), and claimed
--- as any due task is (a queue paused meanwhile keeps its tasks).
+-- at that claim's horizon (the latest due time they can have: none runs early; within this claim's,
+-- as its deadline may be a handover's, below), and claimed as any due task is (a queue paused
+-- meanwhile keeps its tasks).
 -- A new leader (a token above the fence) takes over what its predecessors left in flight: a leader
 -- killed between its claim and Kafka's confirmation never acks those copies, and they would wait out
 -- the visibility timeout. Every copy in flight when the token rises is due again at once, at its own
@@ -94,11 +95,11 @@ local function due_again(ids, due)
   end
 end
 
--- expired claims are due now; those of this request sent again at its horizon, or now if that passed
+-- expired claims are due now; those of this request sent again at its horizon (within this claim's), or now
 due_again(redis.call('ZRANGE', inflight, '-inf', now, 'BYSCORE', 'LIMIT', 0, limit), now)
 local last = redis.call('GET', stamp_key) or '0'
 if redis.call('GET', claim_key) == request .. ' ' .. last then
-  due_again(zrange(inflight, last, last, 'BYSCORE'), math.max(now, tonumber(last) - visibility + lead))
+  due_again(zrange(inflight, last, last, 'BYSCORE'), math.max(now, math.min(tonumber(last) - visibility + lead, horizon)))
 end
 -- a predecessor's copies, each at its claim's horizon (clamped to this claim's: see the header)
 local handover = tonumber(redis.call('GET', handover_key) or '0')

@@ -199,7 +199,8 @@ class Settings:
     #: Seconds a task id that ran from Kafka and finished is remembered, so a late
     #: duplicate delivery is acknowledged without running even when the task's
     #: result is ignored or not stored (0 = rely on the result backend alone: then such a
-    #: task that was running when its worker stopped may run again on the next one).
+    #: task that was running when its worker stopped may run again on the next one, and a
+    #: stopping worker hands none of the tasks it read back to Celery's broker).
     done_ttl: float = 3600.0
     #: Start pollers and workers even though the store's Redis may evict keys when
     #: full (a ``maxmemory-policy`` other than ``noeviction``), silently dropping

@@ -199,12 +199,15 @@ class Intake:
                 _back_in_pool(self._job_of(self._requests[task_id]))
             self._untrack(task_id)
         given_up = []
-        for task in never:  # given up now, so that the broker copy may run
-            try:
-                self.claims.release_now(task.envelope.task_id)
-                given_up.append(task)
-            except STORE_ERRORS:  # told when the store answers: meanwhile no copy may run
-                self.claims.release(task.envelope.task_id)
+        for task in never:
+            if self.settings.done_ttl > 0:  # else not handed back: both copies would run (_hand_back)
+                try:
+                    self.claims.release_now(task.envelope.task_id)  # now, so that the broker copy may run
+                    given_up.append(task)
+                    continue
+                except STORE_ERRORS:  # told when the store answers: meanwhile no copy may run
+                    pass
+            self.claims.release(task.envelope.task_id)
         if given_up:
             self._hand_back(given_up)
 
@@ -214,10 +217,12 @@ class Intake:
         worker's reserved tasks to the broker: a live worker runs each when due, not once the
         partitions' next owners read it again from Kafka (a partition has no owner for a heartbeat or
         more after its worker left the group).  Their Kafka copies stay, and the run claims keep to one
-        run; should the broker be away, those copies alone run them.  On a Redis broker this worker's
-        own pending read of its queues (a BRPOP, answered before the others' one time in as many
-        workers as wait) may take a copy back: it returns to the queue when this worker closes its
-        connection, and the Kafka copy may run first then, as without the hand-back."""
+        run; should the broker be away, those copies alone run them.  A Kafka copy read after the broker
+        copy ended finds that it ran by its done record alone (a result may be ignored, and an attempt
+        that retried stores none): with ``delayed_done_ttl = 0`` nothing is handed back.  On a Redis
+        broker this worker's own pending read of its queues (a BRPOP, answered before the others' one
+        time in as many workers as wait) may take a copy back: it returns to the queue when this worker
+        closes its connection, and the Kafka copy may run first then, as without the hand-back."""
         now_ms = int(time.time() * 1000)
         try:
             with connect(self.c.app, within=HAND_BACK_WITHIN) as connection:

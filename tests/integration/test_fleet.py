@@ -137,6 +137,19 @@ def test_a_request_waiting_for_a_pool_slot_at_a_warm_stop_runs_on_the_next_worke
     assert set(runs(r, run).values()) == {1}
 
 
+def read_ahead_at_a_warm_stop(overrides: dict, processes) -> tuple:
+    """A task ``tasks.demo.fire`` due in 5 s, read 3 s ahead (a partition, a poller, a worker ``w1`` of one
+    pool slot), then ``w1``'s warm stop.  Returns the app, the run id, the store's Redis, ``w1``, the task's
+    result and its due time (ms)."""
+    overrides.update(delayed_topic_partitions=1, delayed_dispatch_lead=3.0, delayed_run_lease=3)
+    app, run, r, first = poller_and_worker(overrides, processes, 1)
+    due_ms = int(time.time() * 1000) + 5_000
+    task = app.tasks["tasks.demo.fire"].apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
+    wait_for(lambda: f"[{task.id}] received" in processes.log(first), 30, "the worker to receive it")
+    processes.warm_stop(first)
+    return app, run, r, first, task, due_ms
+
+
 def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_broker_and_runs_once(overrides,
                                                                                                       processes):
     """A task a worker read ahead of its due time (``delayed_dispatch_lead``) and holds when it stops never
@@ -147,12 +160,7 @@ def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_
     when it is, marked drained (no Kafka marks); the next worker runs that copy (no Kafka hops recorded),
     only once, though the Kafka copy comes round too.  (The worker is alone when it stops, so the copy is
     still in the broker's queue when looked at; with others, one of them takes it at once.)"""
-    overrides.update(delayed_topic_partitions=1, delayed_dispatch_lead=3.0, delayed_run_lease=3)
-    app, run, r, first = poller_and_worker(overrides, processes, 1)
-    due_ms = int(time.time() * 1000) + 5_000
-    task = app.tasks["tasks.demo.fire"].apply_async((run, due_ms), eta=datetime.fromtimestamp(due_ms / 1000, timezone.utc))
-    wait_for(lambda: f"[{task.id}] received" in processes.log(first), 30, "the worker to receive it")
-    processes.warm_stop(first)
+    app, run, r, first, task, due_ms = read_ahead_at_a_warm_stop(overrides, processes)
     broker = redis.Redis.from_url(app.conf.broker_url)
     handed = [json.loads(raw) for raw in broker.lrange(overrides["task_default_queue"], 0, -1)]
     assert [m["headers"]["id"] for m in handed] == [task.id], processes.log(first)[-2000:]
@@ -168,6 +176,19 @@ def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_
     assert r.lrange(f"demo:{run}:hops", 0, -1) == [], "it ran from its Kafka copy, not from the broker's"
     assert runs(r, run) == {task.id: 1}
     assert lag[0] >= 0
+
+
+def test_with_no_done_record_a_task_read_ahead_at_a_warm_stop_is_not_handed_back_and_runs_once(overrides, processes):
+    """With ``delayed_done_ttl = 0`` nothing tells a Kafka copy read again that its task ran from the broker
+    when its result is ignored (nor that an attempt retried, whose RETRY state is not final): a task handed
+    back at a warm stop ran twice, from the broker and then from Kafka, where it had run once.  Such a
+    worker hands nothing back: the Kafka copy alone runs it, once."""
+    overrides.update(delayed_done_ttl=0, task_ignore_result=True)
+    app, run, r, first, task, _ = read_ahead_at_a_warm_stop(overrides, processes)
+    processes.worker("w2", "-c", "1")
+    wait_for(lambda: task.id in runs(r, run), 30, "the next worker to run it")
+    time.sleep(8)  # a broker copy's Kafka copy: read by the next worker (claimed: put back past the claim), then come round
+    assert runs(r, run) == {task.id: 1}
 
 
 def test_a_job_flushed_from_the_pool_after_it_reached_a_child_runs_once_and_its_worker_exits(overrides, processes):

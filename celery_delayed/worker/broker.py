@@ -15,7 +15,7 @@ from celery import Celery
 from kombu import Connection
 
 from celery_delayed.envelope import Envelope, header_ms
-from celery_delayed.worker.once import DRAINED, FROM_KAFKA
+from celery_delayed.worker.once import DRAINED, FROM_KAFKA, HANDED_BACK
 
 #: Longest a drain tries to reach the broker, over all its tries (s); each try is bounded by
 #: ``broker_connection_timeout``.
@@ -42,16 +42,20 @@ def connect(app: Celery, within: float = CONNECT_WITHIN) -> Connection:
         raise
 
 
-def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int) -> dict[str, Any]:
+def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int, handed_back: bool = False
+                 ) -> dict[str, Any]:
     """What ``Producer.publish`` takes to send ``envelope`` as Celery would have, due at ``due_ms``: its
     body untouched, its headers with ``eta`` and :data:`.once.DRAINED` (without :data:`.once.FROM_KAFKA`,
     which would let it pass unchecked); its queue declared (the app's definition, or as Celery makes a
     missing one) and the message sent to it by name through the default exchange, as Celery sends to a
     direct queue, so it lands in that queue whatever bindings the broker has; Celery's delivery mode and
-    publish retry policy, and its ``expiration`` from ``expires`` (seconds left at ``now_ms``, at least 0)."""
+    publish retry policy, and its ``expiration`` from ``expires`` (seconds left at ``now_ms``, at least 0).
+    ``handed_back``: a stopping worker's (:data:`.once.HANDED_BACK`)."""
     queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)
     eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
     headers = {k: v for k, v in envelope.headers.items() if k != FROM_KAFKA}
+    if handed_back:
+        headers[HANDED_BACK] = now_ms
     args = {"body": envelope.body, "exchange": "", "routing_key": envelope.queue,
             "headers": {**headers, "eta": eta, DRAINED: now_ms}, "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "declare": [queue], "retry": True,

@@ -11,6 +11,7 @@ straight to Celery: one dict lookup more.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from celery_delayed import inert
 from celery_delayed.envelope import Envelope
 from celery_delayed.store.revoke import record_revoked
 from celery_delayed.worker.intake import TRANSIENT_ERRORS, copy_of
-from celery_delayed.worker.once import ADMISSION_RETRY, DRAINED, FROM_KAFKA, Admit, RunClaims, admit
+from celery_delayed.worker.once import ADMISSION_RETRY, DRAINED, FROM_KAFKA, HANDED_BACK, Admit, RunClaims, admit
 
 logger = inert.logger(__name__)
 
@@ -50,6 +51,11 @@ class Guard:
         """Run, skip or check again later (the message unacknowledged meanwhile)."""
         app, headers = self.c.app, message.headers
         task_id = headers["id"]
+        if (handed_back := headers.get(HANDED_BACK)) is not None and not self._fresh(handed_back):
+            logger.info("task %s was handed back to the broker too long ago: acknowledged without running (its "
+                        "Kafka copy carries it)", task_id)
+            ack(logger, self.c.connection_errors)
+            return
         try:
             verdict = admit(self.claims, [copy_of(task_id, headers)], app.backend,
                             app.amqp.delayed_store.key_holder)[0]
@@ -68,6 +74,15 @@ class Guard:
             if verdict.admit is not Admit.FINISHED:
                 record_revoked(app, task_id, _envelope(message), reason=verdict.admit.value)
             ack(logger, self.c.connection_errors)
+
+    def _fresh(self, handed_back: Any) -> bool:
+        """Whether a copy a stopping worker handed back at ``handed_back`` (ms) may still run: within half
+        of ``delayed_done_ttl``.  Its Kafka copy cannot have ended before it was handed back (its claim was
+        held until then), so until then a Kafka copy that ended is still remembered (its done record); an
+        older copy (one a worker killed while it held it, back from the broker's visibility timeout an hour
+        later) may have outlived that record, and is not needed: the Kafka copy runs the task."""
+        max_age_ms = self.c.app.amqp.delayed_settings.done_ttl * 500
+        return isinstance(handed_back, int) and time.time() * 1000 - handed_back <= max_age_ms
 
     def _run(self, task_id: str, message: Message, body: Any, ack: Callable, reject: Callable,
              callbacks: Any) -> None:

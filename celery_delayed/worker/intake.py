@@ -229,7 +229,7 @@ class Intake:
                 producer = connection.Producer()
                 for task in tasks:
                     due_ms = task.headers[FROM_KAFKA]["due"] or now_ms
-                    producer.publish(**publish_args(self.c.app, task.envelope, due_ms, now_ms))
+                    producer.publish(**publish_args(self.c.app, task.envelope, due_ms, now_ms, handed_back=True))
         except Exception as exc:  # any failure leaves the Kafka copies, which run all the same
             logger.warning("could not hand the tasks read here back to Celery's broker (%r): they run when the "
                            "partitions' next owners read them", exc)

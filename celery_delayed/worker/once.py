@@ -53,6 +53,11 @@ FROM_KAFKA = "x_celery_delayed"
 #: installed worker runs such a message only as it runs a copy from Kafka, once per task id
 #: (:mod:`.drained`), and remembers when it finished; its value: when it was sent (ms since the epoch).
 DRAINED = "x_celery_delayed_drained"
+#: Header a stopping worker adds, beside :data:`DRAINED`, to each task it hands back to Celery's broker
+#: (:meth:`.Intake.let_go`): the task's Kafka copy carries it too, so such a copy is only a shortcut,
+#: and one older than half of ``delayed_done_ttl`` is not run (:mod:`.drained`); its value: when it was
+#: handed back (ms since the epoch).
+HANDED_BACK = "x_celery_delayed_handed_back"
 #: Seconds between two tries of an admission that failed (the store or result backend down).
 ADMISSION_RETRY = 1.0
 

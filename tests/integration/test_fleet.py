@@ -20,7 +20,7 @@ from celery_delayed.kafka import consumer_config
 from celery_delayed.settings import Settings
 from celery_delayed.worker.consumer import LEAVE_TIMEOUT, KafkaFeed, incremental
 from celery_delayed.worker.offsets import OffsetTracker
-from celery_delayed.worker.once import DRAINED, FROM_KAFKA
+from celery_delayed.worker.once import DRAINED, FROM_KAFKA, HANDED_BACK
 from tasks import create_app
 
 from .conftest import SERVERS
@@ -166,7 +166,7 @@ def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_
     assert [m["headers"]["id"] for m in handed] == [task.id], processes.log(first)[-2000:]
     headers = handed[0]["headers"]
     assert headers["eta"] == datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
-    assert DRAINED in headers and FROM_KAFKA not in headers
+    assert DRAINED in headers and HANDED_BACK in headers and FROM_KAFKA not in headers
     second = processes.worker("w2", "-c", "1")
     wait_for(lambda: task.id in runs(r, run), 30, "the next worker to run it")
     time.sleep(8)  # its Kafka copy: read by the next worker (claimed: put back past the claim), then come round

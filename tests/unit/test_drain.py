@@ -40,3 +40,36 @@ def test_expires_becomes_the_messages_expiration_in_seconds_left_at_the_drain_as
     stored = envelope("reports", headers={"expires": "2026-11-30T01:00:00+00:00"})  # due 00:53:20.123
     assert publish_args(app, stored, DUE_MS, 1_796_000_000_000 + 3_000)["expiration"] == 400 - 3
     assert publish_args(app, stored, DUE_MS, 1_796_000_000_000 + 700_000)["expiration"] == 0
+
+
+def test_a_handed_back_copy_runs_within_half_the_done_ttl_and_an_older_one_is_acknowledged_unrun(monkeypatch):
+    """A copy a stopping worker handed back is a shortcut: its Kafka copy carries the task.  One a worker
+    killed while it held it comes back from the broker an hour later (Redis' visibility timeout), when
+    the done record of the Kafka copy that ran (a result ignored) may have expired: it must not run
+    again.  Within half of delayed_done_ttl it is admitted as any drained copy; past it, acknowledged
+    without running and without asking the store."""
+    import time
+    from types import SimpleNamespace
+
+    from celery_delayed.worker import drained
+    from celery_delayed.worker.once import HANDED_BACK
+
+    admitted, acked, ran = [], [], []
+
+    def admit(claims, copies, backend, key_holder):
+        admitted.extend(copy.task_id if hasattr(copy, "task_id") else copy for copy in copies)
+        return [SimpleNamespace(admit=drained.Admit.RUN)]
+
+    monkeypatch.setattr(drained, "admit", admit)
+    app = SimpleNamespace(amqp=SimpleNamespace(delayed_settings=SimpleNamespace(done_ttl=3600.0),
+                                               delayed_store=SimpleNamespace(key_holder=None)), backend=None)
+    c = SimpleNamespace(app=app, connection_errors=())
+    guard = drained.Guard(c, SimpleNamespace(release=lambda task_id: None), lambda *a, **k: ran.append(a[0]))
+    now_ms = int(time.time() * 1000)
+    for age_s, task_id in ((60, "young"), (1790, "near"), (1810, "old"), (3700, "restored")):
+        message = SimpleNamespace(headers={"id": task_id, "task": "t.add", DRAINED: now_ms - age_s * 1000,
+                                           HANDED_BACK: now_ms - age_s * 1000})
+        guard(message, None, lambda *a, task_id=task_id: acked.append(task_id), lambda *a: None, None)
+    assert [m.headers["id"] for m in ran] == ["young", "near"]
+    assert acked == ["old", "restored"]
+    assert len(admitted) == 2

@@ -84,6 +84,7 @@ class Intake:
         self._on_settled = on_settled
         self._requests: dict[str, Any] = {}  # Celery's request of each task in hand, once it made one
         self._jobs: dict[str, Any] = {}  # their pool jobs, kept from the start of a warm shutdown
+        self._shutting_down = False  # the worker is stopping (not its consumer restarting): hand back (let_go)
         signals.task_received.connect(self._on_received)  # weakly: gone with this intake
         signals.worker_shutting_down.connect(self._keep_jobs)
 
@@ -200,7 +201,7 @@ class Intake:
             self._untrack(task_id)
         given_up = []
         for task in never:
-            if self.settings.done_ttl > 0:  # else not handed back: both copies would run (_hand_back)
+            if self._shutting_down and self.settings.done_ttl > 0:  # else not handed back (_hand_back)
                 try:
                     self.claims.release_now(task.envelope.task_id)  # now, so that the broker copy may run
                     given_up.append(task)
@@ -216,13 +217,15 @@ class Intake:
         Celery's broker, due when they are (:mod:`.broker`), as Celery's own ETA path returns a stopping
         worker's reserved tasks to the broker: a live worker runs each when due, not once the
         partitions' next owners read it again from Kafka (a partition has no owner for a heartbeat or
-        more after its worker left the group).  Their Kafka copies stay, and the run claims keep to one
-        run; should the broker be away, those copies alone run them.  A Kafka copy read after the broker
-        copy ended finds that it ran by its done record alone (a result may be ignored, and an attempt
-        that retried stores none): with ``delayed_done_ttl = 0`` nothing is handed back.  On a Redis
-        broker this worker's own pending read of its queues (a BRPOP, answered before the others' one
-        time in as many workers as wait) may take a copy back: it returns to the queue when this worker
-        closes its connection, and the Kafka copy may run first then, as without the hand-back."""
+        more after its worker left the group).  Only when the worker stops: a consumer that restarts
+        (its broker connection lost) reads its partitions again itself.  Their Kafka copies stay, and
+        the run claims keep to one run; should the broker be away, those copies alone run them.  A
+        Kafka copy read after the broker copy ended finds that it ran by its done record alone (a
+        result may be ignored, and an attempt that retried stores none): with ``delayed_done_ttl = 0``
+        nothing is handed back.  On a Redis broker this worker's own pending read of its queues (a
+        BRPOP, answered before the others' one time in as many workers as wait) may take a copy back:
+        it returns to the queue when this worker closes its connection, and the Kafka copy may run
+        first then, as without the hand-back."""
         now_ms = int(time.time() * 1000)
         try:
             with connect(self.c.app, within=HAND_BACK_WITHIN) as connection:
@@ -246,7 +249,9 @@ class Intake:
     def _keep_jobs(self, **_: Any) -> None:
         """At the start of a warm shutdown (``worker_shutting_down``), before Celery flushes its pool:
         hold the pool job of each request in hand, which Celery refers to weakly only, so that
-        :meth:`_fate` can still see afterwards whether it was written to a child."""
+        :meth:`_fate` can still see afterwards whether it was written to a child; and hand back what it
+        drops (:meth:`let_go`)."""
+        self._shutting_down = True
         for task_id, request in self._requests.items():
             if request._apply_result is not None:
                 self._jobs[task_id] = request._apply_result()

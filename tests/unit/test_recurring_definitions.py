@@ -51,9 +51,8 @@ def test_an_occurrence_id_is_uuid5_of_its_schedule_and_time(schedule_id, run_now
 
 
 def test_a_str_enum_schedule_id_derives_what_its_value_does():
-    """A ``str`` enum member formats as its name (``Job.nightly``) on Python 3.11, while the store and
-    an occurrence's header hold its value: its occurrence ids and jitter are its value's."""
+    """A ``str`` enum member formats as its name (``Job.nightly``) on Python 3.11 (as its value on 3.10),
+    while the store and an occurrence's header hold its value: its occurrence ids and jitter are its value's."""
     job = enum.Enum("Job", {"nightly": "nightly"}, type=str).nightly
-    assert f"{job}" != "nightly"  # what the ids were derived from
     assert occurrence_id(job, 60_000) == occurrence_id("nightly", 60_000)
     assert Options(jitter_ms=10**9).due_ms(job, 60_000) == Options(jitter_ms=10**9).due_ms("nightly", 60_000)

@@ -54,10 +54,11 @@ def publish_args(app: Celery, envelope: Envelope, due_ms: int, now_ms: int, hand
     queue = app.amqp.queues.get(envelope.queue) or app.amqp.queues.new_missing(envelope.queue)
     eta = datetime.fromtimestamp(due_ms / 1000, timezone.utc).isoformat()
     headers = {k: v for k, v in envelope.headers.items() if k != FROM_KAFKA}
+    headers.update({"eta": eta, DRAINED: now_ms})
     if handed_back:
         headers[HANDED_BACK] = now_ms
     args = {"body": envelope.body, "exchange": "", "routing_key": envelope.queue,
-            "headers": {**headers, "eta": eta, DRAINED: now_ms}, "content_type": envelope.content_type,
+            "headers": headers, "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "declare": [queue], "retry": True,
             "retry_policy": app.conf.task_publish_retry_policy,
             "delivery_mode": getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode,

@@ -199,18 +199,24 @@ class Intake:
             else:
                 _back_in_pool(self._job_of(self._requests[task_id]))
             self._untrack(task_id)
+        hand_back = self._shutting_down and self.settings.done_ttl > 0  # else none is (_hand_back)
         given_up = []
         for task in never:
-            if self._shutting_down and self.settings.done_ttl > 0:  # else not handed back (_hand_back)
-                try:
-                    self.claims.release_now(task.envelope.task_id)  # now, so that the broker copy may run
-                    given_up.append(task)
-                    continue
-                except STORE_ERRORS:  # told when the store answers: meanwhile no copy may run
-                    pass
-            self.claims.release(task.envelope.task_id)
+            if hand_back and self._released_now(task.envelope.task_id):
+                given_up.append(task)
+            else:  # told when the store answers: meanwhile no copy may run
+                self.claims.release(task.envelope.task_id)
         if given_up:
             self._hand_back(given_up)
+
+    def _released_now(self, task_id: str) -> bool:
+        """Give a claim up now, so that a broker copy of its task may run; False when the store cannot
+        be told now."""
+        try:
+            self.claims.release_now(task_id)
+        except STORE_ERRORS:
+            return False
+        return True
 
     def _hand_back(self, tasks: list[Task]) -> None:
         """Send tasks this stopping worker read but can no longer run (their claims given up) to

@@ -86,7 +86,7 @@ class Intake:
         self._jobs: dict[str, Any] = {}  # their pool jobs, kept from the start of a warm shutdown
         self._shutting_down = False  # the worker is stopping (not its consumer restarting): hand back (let_go)
         signals.task_received.connect(self._on_received)  # weakly: gone with this intake
-        signals.worker_shutting_down.connect(self._keep_jobs)
+        signals.worker_shutting_down.connect(self._on_shutting_down)
 
     def dispatch(self, arrival: Arrival) -> None:
         """Act on one admitted record: hand it to Celery's strategy for its task, or settle it
@@ -252,11 +252,11 @@ class Intake:
         if request is not None and request.id in self.in_hand:
             self._requests[request.id] = request
 
-    def _keep_jobs(self, **_: Any) -> None:
+    def _on_shutting_down(self, **_: Any) -> None:
         """At the start of a warm shutdown (``worker_shutting_down``), before Celery flushes its pool:
-        hold the pool job of each request in hand, which Celery refers to weakly only, so that
-        :meth:`_fate` can still see afterwards whether it was written to a child; and hand back what it
-        drops (:meth:`let_go`)."""
+        mark the worker stopping, so that :meth:`let_go` hands back what it drops; and hold the pool job
+        of each request in hand, which Celery refers to weakly only, so that :meth:`_fate` can still see
+        afterwards whether it was written to a child."""
         self._shutting_down = True
         for task_id, request in self._requests.items():
             if request._apply_result is not None:

@@ -1,3 +1,4 @@
+import pytest
 from celery import Celery
 from kombu import Exchange, Queue
 
@@ -73,3 +74,24 @@ def test_a_handed_back_copy_runs_within_half_the_done_ttl_and_an_older_one_is_ac
     assert [m.headers["id"] for m in ran] == ["young", "near"]
     assert acked == ["old", "restored"]
     assert len(admitted) == 2
+
+
+@pytest.mark.parametrize("stamp", ["1765000000000", 1.5, True, {"ms": 1}, -1])
+def test_a_handed_back_copy_with_a_stamp_that_is_no_time_is_acknowledged_unrun(monkeypatch, stamp):
+    """Only a stopping worker writes ``HANDED_BACK`` (an int, ms).  Any other value, from whatever sent it,
+    cannot say the copy is young enough to run: it is acknowledged without running and without asking
+    the store (its Kafka copy, if it has one, runs the task); nothing raises in the consumer."""
+    from types import SimpleNamespace
+
+    from celery_delayed.worker import drained
+    from celery_delayed.worker.once import HANDED_BACK
+
+    monkeypatch.setattr(drained, "admit", lambda *a: pytest.fail("a copy with a bad stamp was admitted"))
+    app = SimpleNamespace(amqp=SimpleNamespace(delayed_settings=SimpleNamespace(done_ttl=3600.0),
+                                               delayed_store=SimpleNamespace(key_holder=None)), backend=None)
+    acked: list = []
+    guard = drained.Guard(SimpleNamespace(app=app, connection_errors=()), None,
+                          lambda *a, **k: pytest.fail("a copy with a bad stamp ran"))
+    message = SimpleNamespace(headers={"id": "t1", "task": "t.add", DRAINED: 1, HANDED_BACK: stamp})
+    guard(message, None, lambda *a: acked.append("t1"), lambda *a: None, None)
+    assert acked == ["t1"]

@@ -156,7 +156,7 @@ def test_a_stopped_feed_gives_up_the_claims_of_what_can_never_run_and_keeps_thos
                       for task_id in [*requests, "running"]}
     handed_back: list = []
     intake._hand_back = handed_back.extend
-    intake._keep_jobs()  # worker_shutting_down
+    intake._on_shutting_down()  # worker_shutting_down
     del jobs  # Celery's pool flush drops its own references
     assert "dropped" not in worker_state.requests
     intake.let_go(running={"running"})

@@ -112,7 +112,13 @@ class KafkaConsumerStep(bootsteps.StartStopStep):
             self.feed.stop()
             self.feed = None
 
-    shutdown = stop
+    #: Stopped at once when Celery's consumer closes (a worker stop: ``Blueprint.close`` runs Celery's
+    #: ``on_close``, which drops the requests it holds and cancels their ETA timers, then each step's
+    #: ``close``), not later with the others, stopped last first, several of which wait on the network:
+    #: a green worker's feed handed records to Celery meanwhile, whose requests nothing dropped, so
+    #: :meth:`.Intake.let_go` could not tell whether they would run and they lapsed after the run lease.
+    #: A consumer restart calls ``stop`` alone.
+    close = shutdown = stop
 
 
 @signals.celeryd_init.connect
@@ -148,6 +154,7 @@ class KafkaFeed:
         self._admit_at = 0.0
         self._scheduled = False
         self._reading = threading.Event()
+        self._stopping = False  # stop() began: nothing more goes to Celery (see stop)
         self._room = threading.Event()  # set when a settle frees a prefetch slot
         self.intake = Intake(c, self.store, self.claims, self.offsets, on_settled=self._room.set)
         self._paused: set[tuple[str, int]] = set()  # partitions paused for their backlog
@@ -208,6 +215,7 @@ class KafkaFeed:
         stops: their claims are given up and the tasks handed back to Celery's
         broker (see :meth:`.Intake.let_go`), where a live worker takes them at once.
         """
+        self._stopping = True  # let_go's calls to Redis and the broker let a green worker's loop run meanwhile
         if self._gate is not None:
             self._gate.close()
         self.intake.let_go({request.id for request in worker_state.active_requests})
@@ -473,7 +481,7 @@ class KafkaFeed:
         behind it for good.
         """
         while True:
-            if not self._reading.is_set():  # stopped: left for redelivery
+            if self._stopping or not self._reading.is_set():  # stopped: left for redelivery
                 self._drop_ready()
                 return
             with self._ready_lock:

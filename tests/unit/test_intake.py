@@ -71,6 +71,7 @@ def _feed(intake: _Intake, records: list[str]) -> tuple[KafkaFeed, list]:
     feed._ready = deque(Arrival(record=r, partition=None, read_ms=0) for r in records)
     feed._reading = threading.Event()
     feed._reading.set()
+    feed._stopping = False
     return feed, later
 
 
@@ -105,6 +106,45 @@ def test_a_record_failing_by_a_transient_error_is_tried_again_for_as_long_as_it_
         later.clear()
     feed._drain()
     assert intake.parked == [] and intake.handed == ["blink", "next"]
+
+
+def test_a_stopping_feed_hands_nothing_more_to_celery_while_it_gives_its_tasks_up():
+    """A warm stop gives up or hands back the tasks in hand (``Intake.let_go``), calling Redis and the
+    broker: in a green worker the loop runs meanwhile, and a record it handed to Celery then was in hand
+    after the stop had looked, held by Celery's ETA timer, which the stop had already cleared: never run
+    there, its claim held, it ran a run lease late.  Records still waiting then are dropped, their claims
+    given up (the partition's next owner reads them)."""
+    intake = _Intake({})
+    feed, _ = _feed(intake, ["waiting"])
+    feed._gate, feed._wakeup, feed._room = None, None, threading.Event()
+    feed.claims = SimpleNamespace(release=lambda task_id: None)
+    intake.let_go = lambda running: feed._drain()  # its network calls: the loop runs
+    feed.stop()
+    assert intake.handed == [] and not feed._ready
+
+
+def test_the_feed_stops_when_celerys_consumer_closes_before_its_other_steps_stop():
+    """Celery's consumer stops by closing (its ``on_close``, which drops the requests it holds, then each
+    step's ``close``), then stopping its steps, last first, several of which wait on the network; a green
+    worker's feed handed records over in between, which nothing dropped.  The feed stops at ``close``,
+    once (the ``stop`` after is nothing); a consumer restart calls ``stop`` alone."""
+    from celery import bootsteps
+
+    from celery_delayed.worker.consumer import KafkaConsumerStep
+
+    said: list[str] = []
+    step = object.__new__(KafkaConsumerStep)
+    step.feed = SimpleNamespace(stop=lambda: said.append("feed stopped"))
+
+    class Later(bootsteps.StartStopStep):
+        def stop(self, parent) -> None:
+            said.append("a later step stopped")
+
+    parent = SimpleNamespace(steps=[step, object.__new__(Later)])
+    blueprint = bootsteps.Blueprint(on_close=lambda: said.append("on_close"))
+    blueprint.state, blueprint.started = bootsteps.RUN, 2
+    blueprint.stop(parent)
+    assert said == ["on_close", "feed stopped", "a later step stopped"]
 
 
 class _Job:

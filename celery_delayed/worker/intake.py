@@ -189,16 +189,21 @@ class Intake:
         a child, which runs it, is put back in the pool's books (:func:`_back_in_pool`).  One whose
         fate cannot be told (Celery < 5.7, or its job gone) is no longer extended and lapses after
         the run lease.  A copy read meanwhile waits in the store for the claim."""
-        never = []
+        never, stale = [], []
         for task_id in self.in_hand.keys() - running:
             fate = self._fate(task_id)
             if fate is _Fate.NEVER:
                 never.append(self.in_hand[task_id])
+                request = self._requests.get(task_id)
+                if request is not None and worker_state.requests.get(task_id) is request:
+                    stale.append(request)  # still in Celery's books (see _fate)
             elif fate is _Fate.UNKNOWN:
                 self.claims.forget(task_id)
             else:
                 _back_in_pool(self._job_of(self._requests[task_id]))
             self._untrack(task_id)
+        for request in stale:
+            self._forget_request(request)
         hand_back = self._shutting_down and self.settings.done_ttl > 0  # else none is (_hand_back)
         given_up = []
         for task in never:
@@ -208,6 +213,21 @@ class Intake:
                 self.claims.release(task.envelope.task_id)
         if given_up:
             self._hand_back(given_up)
+
+    def _forget_request(self, request: Any) -> None:
+        """Drop a request Celery's ``on_close`` missed (see :meth:`_fate`) as it drops the others: its
+        ETA timer entry cancelled, so that it never starts here, also once a restarted consumer
+        opens its gate again (its claim is given up: the record is read again), and out of Celery's
+        books.  After the fates are told: an eventlet timer's cancel lets the other greenlets run."""
+        entry = getattr(request, "_eta_timer_entry", None)
+        if entry is not None and self.c.timer is not None:
+            try:
+                self.c.timer.cancel(entry)
+            except Exception as exc:  # as Celery's on_close: the closed gate drops it anyway
+                logger.warning("could not cancel the ETA timer entry of task %s: %r", request.id, exc)
+        if worker_state.requests.get(request.id) is request:
+            worker_state.requests.pop(request.id, None)
+        worker_state.scheduled_requests.discard(request)
 
     def _released_now(self, task_id: str) -> bool:
         """Give a claim up now, so that a broker copy of its task may run; False when the store cannot
@@ -274,7 +294,15 @@ class Intake:
         if request is None or not _DROPS_ARE_FORGOTTEN:
             return _Fate.UNKNOWN
         if request._apply_result is None:  # never given to the pool: dropped, unless Celery still has it
-            return _Fate.NEVER if worker_state.requests.get(task_id) is not request else _Fate.UNKNOWN
+            if worker_state.requests.get(task_id) is not request:
+                return _Fate.NEVER
+            # Celery still has it, but unless it is reserved or running, only in its books: in an eventlet
+            # worker the ETA timer cancels of Celery's on_close let the other greenlets run, and a record
+            # handed over then was scheduled after on_close had looked (its books cleared under it); it
+            # never starts here (the gate is closed), and left to lapse it waited out its run lease.
+            if request in worker_state.reserved_requests or request in worker_state.active_requests:
+                return _Fate.UNKNOWN
+            return _Fate.NEVER
         job = self._job_of(request)
         if job is None:
             return _Fate.UNKNOWN

@@ -223,3 +223,45 @@ def test_a_consumer_that_restarts_gives_up_the_claims_of_what_it_dropped_and_han
     intake._hand_back = handed_back.extend
     intake.let_go(running=set())
     assert intake.claims.released == ["dropped"] and handed_back == [] and not intake.in_hand
+
+
+@pytest.mark.parametrize("shutting_down", [True, False])
+def test_a_request_scheduled_while_celerys_on_close_ran_is_given_up_not_left_to_lapse(shutting_down):
+    """An eventlet worker's ETA timer cancels (Celery's ``on_close``) let the other greenlets run: a
+    record handed to Celery then was scheduled after on_close had looked, and stayed in Celery's
+    ``requests`` though in none of its reserved, scheduled or active sets, its ETA timer entry pending.
+    It never starts here (the gate is closed), yet its fate could not be told: its claim lapsed and
+    it ran a run lease late (review 53: eventlet, 2 of 300 tasks 30 s late).  Its claim is given up
+    (and it is handed back, on a stop), its timer entry cancelled so that a restarted consumer, its
+    gate open again, never starts it too, and it leaves Celery's books.  A request Celery reserved
+    may be in the pool: it still lapses."""
+    from celery.worker import state as worker_state
+
+    from celery_delayed.worker.intake import Intake
+
+    class Request(SimpleNamespace):  # Celery's sets of requests hold them weakly
+        __hash__ = object.__hash__
+
+    stale = Request(id="stale", _apply_result=None, _eta_timer_entry="stale's entry")
+    reserved = Request(id="reserved", _apply_result=None, _eta_timer_entry=None)
+    cancelled: list = []
+    intake = object.__new__(Intake)
+    intake.c = SimpleNamespace(timer=SimpleNamespace(cancel=cancelled.append))
+    intake.claims, intake._jobs, intake._shutting_down = _Claims(), {}, shutting_down
+    intake._requests = {"stale": stale, "reserved": reserved}
+    intake.settings = SimpleNamespace(done_ttl=3600.0)
+    intake.in_hand = {task_id: SimpleNamespace(envelope=SimpleNamespace(task_id=task_id)) for task_id in intake._requests}
+    handed_back: list = []
+    intake._hand_back = handed_back.extend
+    worker_state.requests.update(stale=stale, reserved=reserved)
+    worker_state.reserved_requests.add(reserved)
+    try:
+        intake.let_go(running=set())
+        assert intake.claims.released == ["stale"] and intake.claims.forgotten == ["reserved"]
+        assert [task.envelope.task_id for task in handed_back] == (["stale"] if shutting_down else [])
+        assert cancelled == ["stale's entry"]
+        assert "stale" not in worker_state.requests and not intake.in_hand
+    finally:
+        worker_state.requests.pop("stale", None)
+        worker_state.requests.pop("reserved", None)
+        worker_state.reserved_requests.discard(reserved)
